@@ -1,0 +1,132 @@
+"""The paged KV cache's bookkeeping: which fixed-size block of cache slots belongs to which request.
+
+The cache is ``num_blocks`` blocks of ``block_size`` token slots. A request owns an ordered list of
+blocks, its *block table*; token ``i`` of the request lives in slot
+``block_table[i // block_size] * block_size + i % block_size``. Blocks need not be contiguous, so a
+request grows one block at a time and nothing is reserved for tokens it may never generate.
+Reference counts let several requests share a block (forks, and later prefix caching).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable
+from typing import NamedTuple
+
+
+class BlockEvent(NamedTuple):
+    """One allocation or free, as drawn by the block map: ``kind`` is ``"alloc"`` or ``"free"``."""
+
+    kind: str
+    block_id: int
+    request_id: Hashable
+    step: int
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised when an allocation needs more free blocks than the cache has left."""
+
+
+class BlockAllocator:
+    """A free-block queue with per-block reference counts and per-request block tables."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+        self.block_tables: dict[Hashable, list[int]] = {}
+        self.num_slots: dict[Hashable, int] = {}  # token slots each request has claimed
+        self.events: list[BlockEvent] = []  # drained by the engine once per step
+        self.step = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use: the KV-cache usage that serving dashboards show."""
+        return 1 - len(self.free_blocks) / self.num_blocks
+
+    def blocks_needed(self, request_id: Hashable, num_tokens: int) -> int:
+        """How many new blocks ``request_id`` needs so that its table covers ``num_tokens`` tokens."""
+        have = len(self.block_tables.get(request_id, ()))
+        return max(0, -(-num_tokens // self.block_size) - have)
+
+    def can_allocate(self, request_id: Hashable, num_tokens: int) -> bool:
+        return self.blocks_needed(request_id, num_tokens) <= len(self.free_blocks)
+
+    def allocate(self, request_id: Hashable, num_tokens: int) -> list[int]:
+        """Grow ``request_id``'s block table to cover ``num_tokens`` tokens; return the new blocks.
+
+        All or nothing: if the free queue is too short, nothing is taken and NoFreeBlocksError is raised.
+        """
+        needed = self.blocks_needed(request_id, num_tokens)
+        if needed > len(self.free_blocks):
+            raise NoFreeBlocksError(f"request {request_id!r} needs {needed} blocks, only {len(self.free_blocks)} free")
+        table = self.block_tables.setdefault(request_id, [])
+        new_blocks = [self.free_blocks.popleft() for _ in range(needed)]
+        for block in new_blocks:
+            self.ref_counts[block] = 1
+            self.events.append(BlockEvent("alloc", block, request_id, self.step))
+        table.extend(new_blocks)
+        self.num_slots[request_id] = max(self.num_slots.get(request_id, 0), num_tokens)
+        return new_blocks
+
+    def append_slot(self, request_id: Hashable) -> int:
+        """Claim the slot for one more token of ``request_id`` (a decode step) and return it."""
+        if request_id not in self.block_tables:
+            raise KeyError(f"request {request_id!r} owns no blocks")
+        index = self.num_slots[request_id]
+        self.allocate(request_id, index + 1)
+        return self.slot(request_id, index)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Let ``child_id`` share all of ``parent_id``'s blocks (each gains a reference)."""
+        if parent_id not in self.block_tables:
+            raise KeyError(f"request {parent_id!r} owns no blocks")
+        if child_id in self.block_tables:
+            raise ValueError(f"request {child_id!r} already owns blocks")
+        table = list(self.block_tables[parent_id])
+        for block in table:
+            self.ref_counts[block] += 1
+        self.block_tables[child_id] = table
+        self.num_slots[child_id] = self.num_slots[parent_id]
+
+    def free(self, request_id: Hashable) -> list[int]:
+        """Drop ``request_id``'s references; blocks nobody references go back to the free queue.
+
+        Freeing a request that owns nothing (never allocated, or already freed) raises KeyError.
+        """
+        table = self.block_tables.pop(request_id, None)
+        if table is None:
+            raise KeyError(f"request {request_id!r} owns no blocks (double free or unknown request)")
+        del self.num_slots[request_id]
+        released = []
+        for block in table:
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks.append(block)
+                released.append(block)
+                self.events.append(BlockEvent("free", block, request_id, self.step))
+        return released
+
+    def slot(self, request_id: Hashable, token_index: int) -> int:
+        """The cache slot that holds token ``token_index`` of ``request_id``."""
+        table = self.block_tables[request_id]
+        return table[token_index // self.block_size] * self.block_size + token_index % self.block_size
+
+    def slot_mapping(self, request_id: Hashable, start: int, end: int) -> list[int]:
+        """Cache slots of tokens ``start..end-1``: where the model writes their keys and values."""
+        table, size = self.block_tables[request_id], self.block_size
+        return [table[i // size] * size + i % size for i in range(start, end)]
+
+    def drain_events(self) -> list[BlockEvent]:
+        events, self.events = self.events, []
+        return events

@@ -1,0 +1,49 @@
+"""Engine configuration: the knobs an inference server exposes, in one plain dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+POLICIES = ("continuous", "static")
+
+
+@dataclass
+class EngineConfig:
+    """How the engine batches requests and how big its KV cache is.
+
+    ``max_batch_tokens`` is the per-step token budget shared by prefill chunks and decode tokens
+    (vLLM's ``max_num_batched_tokens``); ``max_num_seqs`` caps how many requests run at once.
+    ``num_blocks=None`` lets the runner size the cache from memory.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_batch_tokens: int = 512
+    max_num_seqs: int = 64
+    policy: str = "continuous"
+    chunked_prefill: bool = True
+    device: str = "auto"
+    dtype: Any = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_batch_tokens", "max_num_seqs"):
+            _check_positive_int(name, getattr(self, name))
+        if self.num_blocks is not None:
+            _check_positive_int("num_blocks", self.num_blocks)
+        if self.max_num_seqs > self.max_batch_tokens:
+            raise ValueError(
+                f"max_num_seqs ({self.max_num_seqs}) must be <= max_batch_tokens ({self.max_batch_tokens}):"
+                " every running request needs at least one token of the step's budget"
+            )
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if not isinstance(self.chunked_prefill, bool):
+            raise TypeError(f"chunked_prefill must be a bool, got {type(self.chunked_prefill).__name__}")
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")

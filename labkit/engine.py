@@ -1,0 +1,264 @@
+"""The engine loop: schedule a step, run the model on it, record what came out. Plain Python, no torch.
+
+The model side is a *runner*: an object that owns the KV cache and turns a SchedulerOutput into one
+sampled token per finished chunk. A transformers model gets labkit's torch ModelRunner; a
+SimulatedModel gets a runner that only advances a simulated clock. Allocator and scheduler classes
+can be swapped (``allocator_cls=``, ``scheduler_cls=``), which is how the exercises plug in.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from labkit.blocks import BlockAllocator
+from labkit.config import EngineConfig
+from labkit.report import ScheduledWork, StepReport
+from labkit.request import Request, RequestMetrics, RequestOutput, SamplingParams
+from labkit.scheduler import Scheduler, SchedulerOutput
+
+
+class Runner(Protocol):
+    """What the engine needs from the model side."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    device_name: str
+
+    def clock(self) -> float: ...
+
+    def init_cache(self, block_size: int, num_blocks: int | None) -> int:
+        """Allocate the KV cache (sized from memory when ``num_blocks`` is None); return its block count."""
+
+    def execute(self, output: SchedulerOutput, allocator: BlockAllocator) -> list[int]:
+        """Run one step; return one token per chunk with ``samples=True``, in order."""
+
+
+def make_runner(model: Any, config: EngineConfig) -> Runner:
+    """A model that knows its runner (e.g. SimulatedModel) makes it; anything else is a transformers model."""
+    if hasattr(model, "make_runner"):
+        return model.make_runner(config)
+    from labkit.runner import ModelRunner  # imports torch only when a real model is used
+
+    return ModelRunner(model, config)
+
+
+class Engine:
+    """An inference engine that batches requests step by step over a paged KV cache."""
+
+    def __init__(
+        self,
+        model: Any,
+        config: EngineConfig | None = None,
+        tokenizer: Any = None,
+        *,
+        allocator_cls: Callable[[int, int], BlockAllocator] = BlockAllocator,
+        scheduler_cls: Callable[[EngineConfig, BlockAllocator], Scheduler] = Scheduler,
+    ) -> None:
+        if config is None:
+            config = EngineConfig()
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.runner = make_runner(model, config)
+        self.clock = self.runner.clock
+        num_blocks = self.runner.init_cache(config.block_size, config.num_blocks)
+        self.allocator = allocator_cls(num_blocks, config.block_size)
+        self.scheduler = scheduler_cls(config, self.allocator)
+        self.requests: dict[int, Request] = {}
+        self.step_listeners: list[Callable[[StepReport], None]] = []
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free_blocks
+
+    @property
+    def device_name(self) -> str:
+        return self.runner.device_name
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+    ) -> int:
+        """Queue a prompt (token ids, or text when the engine has a tokenizer); return its request id.
+
+        Everything about the request is checked here, so a bad request is refused with a
+        ValueError/TypeError before it touches the cache, and the other requests carry on.
+        """
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        token_ids = self._prompt_token_ids(prompt)
+        if len(token_ids) + params.max_new_tokens - 1 > self.runner.max_model_len:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds"
+                f" the model's maximum length ({self.runner.max_model_len})"
+            )
+        request_id = next(self._ids)
+        now = self.clock() if arrival_time is None else arrival_time
+        request = Request(
+            request_id,
+            token_ids,
+            params,
+            eos_token_ids=self.runner.eos_token_ids,
+            metrics=RequestMetrics(arrival_time=now),
+        )
+        self.scheduler.add(request)
+        self.requests[request_id] = request
+        return request_id
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request now and free its blocks; KeyError if no unfinished request has that id."""
+        self.scheduler.abort(request_id, self.clock())
+
+    def output(self, request_id: int) -> RequestOutput:
+        request = self.requests[request_id]
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        return RequestOutput(
+            request_id=request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            output_token_ids=list(request.output_token_ids),
+            text=text,
+            finish_reason=request.finish_reason,
+            metrics=request.metrics,
+        )
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> StepReport:
+        """Run one iteration: schedule, execute the model once on the packed batch, update requests."""
+        output = self.scheduler.schedule()
+        start = self.clock()
+        for request in output.admitted:
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = start
+        sampled = [] if output.is_empty else self.runner.execute(output, self.allocator)
+        end = self.clock()
+        finished = self.scheduler.update(output, sampled, end)
+        report = self._report(output, sampled, finished, start, end)
+        for listener in self.step_listeners:
+            listener(report)
+        return report
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in input order.
+
+        ``params`` is one SamplingParams for all prompts or a list with one per prompt. If any
+        prompt is invalid, none is queued.
+        """
+        if isinstance(params, SamplingParams) or params is None:
+            params = [params] * len(prompts)
+        elif len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        ids: list[int] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(self.add_request(prompt, p))
+        except (TypeError, ValueError):
+            for request_id in ids:
+                self.abort(request_id)
+                del self.requests[request_id]
+            raise
+        bar = _progress_bar(len(ids)) if progress else None
+        pending = set(ids)
+        while pending:
+            report = self.step()
+            if report.finished:
+                done = pending.intersection(report.finished)
+                pending -= done
+                if bar is not None:
+                    bar.update(len(done))
+        if bar is not None:
+            bar.close()
+        outputs = [self.output(request_id) for request_id in ids]
+        for request_id in ids:
+            del self.requests[request_id]
+        return outputs
+
+    # ------------------------------------------------------------------ helpers
+    def _prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise TypeError("prompt is a string but the engine has no tokenizer; pass token ids")
+            token_ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        elif isinstance(prompt, (list, tuple)):
+            token_ids = list(prompt)
+        else:
+            raise TypeError(f"prompt must be a list of token ids or a string, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.runner.vocab_size
+        for token in token_ids:
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise TypeError(f"prompt token ids must be ints, got {type(token).__name__}")
+            if not 0 <= token < vocab:
+                raise ValueError(f"prompt token id {token} is outside the vocabulary [0, {vocab})")
+        if len(token_ids) > self.runner.max_model_len:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) is longer than the model's maximum length"
+                f" ({self.runner.max_model_len})"
+            )
+        return token_ids
+
+    def _report(
+        self,
+        output: SchedulerOutput,
+        sampled: Sequence[int],
+        finished: list[Request],
+        start: float,
+        end: float,
+    ) -> StepReport:
+        tokens = iter(sampled)
+        scheduled = [
+            ScheduledWork(
+                c.request.request_id, c.start, c.num_tokens, c.is_prefill, next(tokens) if c.samples else None
+            )
+            for c in output.chunks
+        ]
+        padding = [ScheduledWork(c.request.request_id, c.start, c.num_tokens, False, None) for c in output.padding]
+        return StepReport(
+            step=output.step,
+            start_time=start,
+            duration=end - start,
+            scheduled=scheduled,
+            padding=padding,
+            admitted=[r.request_id for r in output.admitted],
+            preempted=[r.request_id for r in output.preempted],
+            finished={r.request_id: r.finish_reason for r in finished},
+            block_events=self.allocator.drain_events(),
+            num_free_blocks=self.allocator.num_free_blocks,
+            num_blocks=self.allocator.num_blocks,
+            block_size=self.allocator.block_size,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+        )
+
+
+def _progress_bar(total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req")

@@ -1,0 +1,173 @@
+"""A request's life in the engine: what was asked (SamplingParams), where it stands (Request), what came out.
+
+States: waiting -> prefilling -> decoding -> finished. A preempted request goes back to waiting and
+is recomputed from its prompt plus the tokens it already produced; an aborted one finishes at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+FINISH_REASONS = ("length", "stop", "abort")
+
+
+class RequestState(str, Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token, and when to stop.
+
+    ``temperature=0`` is greedy. ``top_k=0`` and ``top_p=1.0`` switch those filters off. A ``seed``
+    makes sampling reproducible per request: the same request draws the same tokens whether it runs
+    alone, in a batch, or is preempted and recomputed.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("max_new_tokens", self.max_new_tokens)
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise TypeError(f"temperature must be a number, got {type(self.temperature).__name__}")
+        if not self.temperature >= 0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _check_int("top_k", self.top_k)
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
+            raise TypeError(f"top_p must be a number, got {type(self.top_p).__name__}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+            raise TypeError("stop_token_ids must be a sequence of ints")
+        stop = tuple(self.stop_token_ids)
+        for token in stop:
+            _check_int("stop_token_ids item", token)
+        object.__setattr__(self, "stop_token_ids", stop)
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps on the engine's clock (seconds); the metrics module turns them into TTFT, TPOT, ITL."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+
+
+@dataclass(eq=False)
+class Request:
+    """One request inside the engine.
+
+    ``num_computed_tokens`` counts the tokens whose keys and values are in the KV cache; the
+    scheduler compares it with ``num_tokens`` to know whether the request still has prefill to do
+    or is decoding. After a preemption it drops to 0 and the request is recomputed.
+    """
+
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    output_token_ids: list[int] = field(default_factory=list)
+    state: RequestState = RequestState.WAITING
+    num_computed_tokens: int = 0
+    finish_reason: str | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
+    stop_ids: frozenset[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        ids = set(self.params.stop_token_ids)
+        if not self.params.ignore_eos:
+            ids |= self.eos_token_ids
+        self.stop_ids = frozenset(ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: everything that must be in the cache to decode the next one."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids in positions [start, end) of prompt + output, without copying the whole list."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    def append_token(self, token: int) -> str | None:
+        """Record a generated token and return the finish reason it causes, if any."""
+        self.output_token_ids.append(token)
+        if token in self.stop_ids:
+            return "stop"
+        if len(self.output_token_ids) >= self.params.max_new_tokens:
+            return "length"
+        return None
+
+
+@dataclass
+class RequestOutput:
+    """What ``Engine.generate`` returns for each prompt."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "output_token_ids": list(self.output_token_ids),
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "metrics": vars(self.metrics).copy(),
+        }
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")

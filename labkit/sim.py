@@ -1,0 +1,122 @@
+"""A simulated model: the real scheduler and allocator, driven without torch at any scale.
+
+The simulated model produces deterministic tokens and charges each step a modelled time
+``base + per_token * tokens computed + per_kv_token * KV tokens read``. A step costs a fixed
+overhead (reading all weights once, launching kernels), then work that grows with the batch, then
+attention that grows with the context. That is why batching pays: the fixed part is shared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from labkit.blocks import BlockAllocator
+from labkit.config import EngineConfig
+from labkit.request import Request
+from labkit.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Modelled seconds for one step: ``base + per_token * tokens + per_kv_token * kv_tokens``."""
+
+    name: str
+    base: float
+    per_token: float
+    per_kv_token: float
+
+    def step_time(self, num_tokens: int, num_kv_tokens: int) -> float:
+        return self.base + self.per_token * num_tokens + self.per_kv_token * num_kv_tokens
+
+
+# Rough figures for a ~0.5B-parameter model. CPU: reading ~2 GB of float32 weights per step at ~20 GB/s,
+# ~1 GFLOP per token at ~100 GFLOP/s. H200-class GPU in bfloat16: launch overhead dominates the base,
+# ~1 GFLOP per token at a few hundred TFLOP/s, ~12 KB of KV per token read at ~4.8 TB/s.
+COST_PRESETS: dict[str, CostModel] = {
+    "cpu": CostModel("cpu", base=0.1, per_token=0.01, per_kv_token=1.2e-6),
+    "h200": CostModel("h200", base=0.004, per_token=2.5e-6, per_kv_token=2.5e-9),
+}
+
+
+@dataclass(frozen=True)
+class SimulatedModel:
+    """Stands in for a language model. Tokens depend only on the request and position, never on the batch.
+
+    Token 0 is padding and token 1 is EOS. With ``mean_output_len`` set, each request emits EOS after
+    a long-tailed (geometric) number of tokens fixed by its prompt; otherwise only
+    ``max_new_tokens`` stops it. ``cost`` is a preset name or a CostModel.
+    """
+
+    vocab_size: int = 1024
+    max_model_len: int = 1 << 20
+    mean_output_len: float | None = None
+    seed: int = 0
+    cost: str | CostModel = "cpu"
+    default_num_blocks: int = 1024
+
+    eos_token_id = 1
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 3:
+            raise ValueError(f"vocab_size must be >= 3 (pad, EOS and one real token), got {self.vocab_size}")
+        if isinstance(self.cost, str) and self.cost not in COST_PRESETS:
+            raise ValueError(f"unknown cost preset {self.cost!r}; choose from {sorted(COST_PRESETS)}")
+        if self.mean_output_len is not None and self.mean_output_len < 1:
+            raise ValueError(f"mean_output_len must be >= 1, got {self.mean_output_len}")
+
+    @property
+    def cost_model(self) -> CostModel:
+        return COST_PRESETS[self.cost] if isinstance(self.cost, str) else self.cost
+
+    def make_runner(self, config: EngineConfig) -> SimRunner:
+        return SimRunner(self)
+
+    def next_token(self, request: Request) -> int:
+        """The token this model generates after ``request``'s current tokens."""
+        prompt = request.prompt_token_ids
+        key = _mix(self.seed, len(prompt), prompt[0], prompt[-1])
+        # Geometric output length with the given mean: P(EOS at each token) = 1 / mean.
+        mean = self.mean_output_len
+        if mean is not None and _mix(key, len(request.output_token_ids), 7) % 1_000_003 < 1_000_003 / mean:
+            return self.eos_token_id
+        return 2 + _mix(key, request.num_tokens) % (self.vocab_size - 2)
+
+
+class SimRunner:
+    """Runs a step of a SimulatedModel: advances a simulated clock by the cost model's time."""
+
+    device_name = "simulated"
+
+    def __init__(self, model: SimulatedModel) -> None:
+        self.model = model
+        self.cost = model.cost_model
+        self.vocab_size = model.vocab_size
+        self.max_model_len = model.max_model_len
+        self.eos_token_ids = frozenset({model.eos_token_id})
+        self.device_name = f"simulated ({self.cost.name})"
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def init_cache(self, block_size: int, num_blocks: int | None) -> int:
+        return num_blocks or self.model.default_num_blocks
+
+    def execute(self, output: SchedulerOutput, allocator: BlockAllocator) -> list[int]:
+        kv_tokens = 0
+        for chunk in output.chunks:
+            kv_tokens += chunk.start + chunk.num_tokens
+        for chunk in output.padding:
+            kv_tokens += chunk.start + chunk.num_tokens
+        self.now += self.cost.step_time(output.num_tokens, kv_tokens)
+        next_token = self.model.next_token
+        return [next_token(chunk.request) for chunk in output.chunks if chunk.samples]
+
+
+def _mix(*values: int) -> int:
+    """A small, fast, deterministic integer hash (splitmix64 steps)."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h

@@ -116,10 +116,10 @@ class Scheduler:
             raise KeyError(f"no unfinished request with id {request_id!r}")
         if request.state is RequestState.WAITING:
             self.waiting.remove(request)
-        self._finish(request, "abort", now)
-        if self.config.policy == "continuous":
+        elif self.config.policy == "continuous":
             self.running.remove(request)
-        else:
+        self._finish(request, "abort", now)
+        if self.config.policy == "static":
             self._end_static_batch_if_done()
         return request
 

@@ -99,6 +99,10 @@ class SimRunner:
     def clock(self) -> float:
         return self.now
 
+    def wait_until(self, t: float) -> None:
+        """Idle until the clock reads ``t``: simulated time simply jumps there (it never runs backwards)."""
+        self.now = max(self.now, t)
+
     def init_cache(self, block_size: int, num_blocks: int | None) -> int:
         return num_blocks or self.model.default_num_blocks
 

@@ -1,0 +1,101 @@
+"""The online driver: serve a workload against the engine's clock, so requests arrive while others run.
+
+Offline benchmarks hand the engine every prompt at once; a server instead sees requests trickle in.
+Before each step the driver adds every request whose arrival time the clock has passed, then runs one
+step. Requests that arrive during a step wait for it to end, and that wait shows up as queue time.
+When the engine is idle and the next request is still in the future, the driver waits for it: a
+simulated clock jumps forward (the runner's ``wait_until``), a real one sleeps.
+
+Arrival times are seconds from the moment the driver starts; each request's ``arrival_time`` records
+its scheduled arrival on the engine's clock, not the moment the driver got round to adding it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from labkit.engine import Engine
+from labkit.metrics import Run
+from labkit.workloads import WorkloadRequest
+
+
+def run_workload(
+    engine: Engine,
+    workload: Sequence[WorkloadRequest],
+    *,
+    ignore_eos: bool = True,
+    progress: bool = False,
+) -> Run:
+    """Serve ``workload`` on ``engine`` in arrival order; return outputs (in workload order) and step reports.
+
+    Each request asks for exactly its ``max_new_tokens`` unless ``ignore_eos=False`` lets EOS end it
+    early. With every arrival at 0 this is an offline run. If a request is refused (e.g. too long for
+    the model), the requests already added are aborted and the error is raised.
+    """
+    if not workload:
+        raise ValueError("workload is empty")
+    for item in workload:
+        if not isinstance(item, WorkloadRequest):
+            raise TypeError(f"workload items must be WorkloadRequest, got {type(item).__name__}")
+    order = sorted(range(len(workload)), key=lambda i: workload[i].arrival_time)
+    start = engine.clock()
+    ids: dict[int, int] = {}  # workload index -> request id
+    reports = []
+    bar = _progress_bar(len(workload)) if progress else None
+    try:
+        next_index = 0
+        while next_index < len(order) or engine.has_unfinished():
+            now = engine.clock()
+            while next_index < len(order) and start + workload[order[next_index]].arrival_time <= now:
+                item = workload[order[next_index]]
+                ids[order[next_index]] = engine.add_request(
+                    item.prompt,
+                    item.sampling_params(ignore_eos=ignore_eos),
+                    arrival_time=start + item.arrival_time,
+                )
+                next_index += 1
+            report = engine.step() if engine.has_unfinished() else None
+            if report is not None and (report.scheduled or report.padding):
+                reports.append(report)
+                if bar is not None:
+                    bar.update(len(report.finished))
+            elif next_index < len(order):
+                _wait_until(engine, start + workload[order[next_index]].arrival_time)
+            elif engine.has_unfinished():
+                raise RuntimeError("the engine has unfinished requests but scheduled nothing")
+    except BaseException:
+        for request_id in ids.values():
+            if engine.requests[request_id].finish_reason is None:
+                engine.abort(request_id)
+            del engine.requests[request_id]
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    outputs = [engine.output(ids[i]) for i in range(len(workload))]
+    for request_id in ids.values():
+        del engine.requests[request_id]
+    return Run(outputs, reports)
+
+
+def _wait_until(engine: Engine, t: float) -> None:
+    """Let the engine's clock reach ``t`` while it has nothing to do."""
+    wait_until = getattr(engine.runner, "wait_until", None)
+    if wait_until is not None:
+        wait_until(t)
+        return
+    before = engine.clock()
+    time.sleep(max(0.0, t - before))
+    if engine.clock() == before:
+        raise RuntimeError(
+            "the runner's clock did not advance while the engine was idle; a runner whose clock is not"
+            " wall time needs a wait_until(t) method"
+        )
+
+
+def _progress_bar(total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="serve", unit="req")

@@ -1,0 +1,230 @@
+"""Metric definitions checked on hand-built timelines; every expected value is worked out by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from labkit import Engine, EngineConfig, SimulatedModel
+from labkit.metrics import (
+    GpuMonitor,
+    meets_targets,
+    parse_targets,
+    request_stats,
+    run_metrics,
+    step_stats,
+    summarize,
+)
+from labkit.report import ScheduledWork, StepReport
+from labkit.request import RequestMetrics, RequestOutput, SamplingParams
+
+
+def make_output(request_id, prompt_len, token_times, *, arrival, scheduled, preemptions=0, reason="length"):
+    metrics = RequestMetrics(
+        arrival_time=arrival,
+        first_scheduled_time=scheduled,
+        first_token_time=token_times[0] if token_times else None,
+        finish_time=token_times[-1] if token_times else scheduled,
+        token_times=list(token_times),
+        num_preemptions=preemptions,
+    )
+    return RequestOutput(request_id, [5] * prompt_len, [7] * len(token_times), None, reason, metrics)
+
+
+# Three requests on one clock:
+#   A arrives 0.0, scheduled 0.5, tokens at 1.0, 1.5, 2.5; 4 prompt tokens; preempted once.
+#   B arrives 1.0, scheduled 1.0, one token at 1.25; 2 prompt tokens.
+#   C arrives 2.0, scheduled 2.5, tokens at 3.0, 3.25, 3.5, 4.0; 6 prompt tokens.
+A = make_output(0, 4, [1.0, 1.5, 2.5], arrival=0.0, scheduled=0.5, preemptions=1)
+B = make_output(1, 2, [1.25], arrival=1.0, scheduled=1.0)
+C = make_output(2, 6, [3.0, 3.25, 3.5, 4.0], arrival=2.0, scheduled=2.5)
+
+
+def test_request_stats_by_hand():
+    a = request_stats(A)
+    assert a.queue_time == 0.5
+    assert a.ttft == 1.0
+    assert a.e2e == 2.5
+    assert a.tpot == pytest.approx((2.5 - 1.0) / (3 - 1))  # 0.75
+    assert a.itl == pytest.approx((0.5, 1.0))
+    assert (a.num_prompt_tokens, a.num_output_tokens, a.num_preemptions) == (4, 3, 1)
+
+    c = request_stats(C)
+    assert c.queue_time == 0.5
+    assert c.ttft == 1.0
+    assert c.e2e == 2.0
+    assert c.tpot == pytest.approx(1.0 / 3)
+    assert c.itl == pytest.approx((0.25, 0.25, 0.5))
+
+
+def test_single_token_request_has_no_tpot_or_itl():
+    b = request_stats(B)
+    assert b.ttft == 0.25
+    assert b.e2e == 0.25
+    assert b.tpot is None
+    assert b.itl == ()
+
+
+def test_unfinished_request_is_refused():
+    pending = RequestOutput(9, [3], [], None, None, RequestMetrics(arrival_time=0.0))
+    with pytest.raises(ValueError, match="request 9 has not finished"):
+        request_stats(pending)
+
+
+def test_summarize_percentiles_by_hand():
+    s = summarize(range(1, 11))  # 1..10
+    assert s.count == 10
+    assert s.mean == 5.5
+    assert s.median == 5.5
+    assert s.p90 == pytest.approx(1 + 0.90 * 9)  # linear interpolation at rank 0.9 * (10 - 1)
+    assert s.p99 == pytest.approx(1 + 0.99 * 9)
+    assert s.max == 10
+    assert summarize([]) is None
+    one = summarize([3.0])
+    assert (one.mean, one.median, one.p90, one.p99) == (3.0, 3.0, 3.0, 3.0)
+
+
+def test_run_metrics_by_hand():
+    m = run_metrics([A, B, C])
+    assert m.duration == 4.0  # first arrival 0.0 to last finish 4.0
+    assert m.num_requests == 3
+    assert (m.num_prompt_tokens, m.num_output_tokens) == (12, 8)
+    assert m.request_throughput == pytest.approx(3 / 4)
+    assert m.output_throughput == pytest.approx(8 / 4)
+    assert m.total_throughput == pytest.approx(20 / 4)
+    assert m.total_preemptions == 1
+
+    assert m.ttft.mean == pytest.approx((1.0 + 0.25 + 1.0) / 3)
+    assert m.ttft.median == 1.0
+    # e2e sorted: 0.25, 2.0, 2.5; p90 sits at rank 0.9 * 2 = 1.8, between 2.0 and 2.5
+    assert m.e2e.median == 2.0
+    assert m.e2e.p90 == pytest.approx(2.0 + 0.8 * 0.5)
+    assert m.e2e.p99 == pytest.approx(2.0 + 0.98 * 0.5)
+    # TPOT only for A (0.75) and C (1/3)
+    assert m.tpot.count == 2
+    assert m.tpot.mean == pytest.approx((0.75 + 1 / 3) / 2)
+    # ITL pooled over requests: 0.5, 1.0 | 0.25, 0.25, 0.5 -> sorted 0.25, 0.25, 0.5, 0.5, 1.0
+    assert m.itl.count == 5
+    assert m.itl.mean == pytest.approx(2.5 / 5)
+    assert m.itl.median == 0.5
+    assert m.itl.p90 == pytest.approx(0.5 + 0.6 * 0.5)  # rank 0.9 * 4 = 3.6
+    assert m.queue_time.mean == pytest.approx((0.5 + 0.0 + 0.5) / 3)
+    # no step reports, no targets, no GPU
+    assert m.num_steps is None and m.peak_kv_usage is None and m.wasted_slots is None
+    assert m.goodput is None and m.slo_attainment is None
+    assert m.peak_gpu_memory_bytes is None and m.gpu_utilization is None
+
+
+def test_goodput_by_hand():
+    # Only B has TTFT <= 0.5 s.
+    m = run_metrics([A, B, C], targets="ttft<=0.5s")
+    assert m.goodput == pytest.approx(1 / 4)
+    assert m.slo_attainment == pytest.approx(1 / 3)
+    # A misses TPOT (0.75 > 0.5); B has no TPOT so cannot miss it; C meets both.
+    m = run_metrics([A, B, C], targets={"ttft": 1.0, "tpot": 0.5})
+    assert m.goodput == pytest.approx(2 / 4)
+    assert m.slo_attainment == pytest.approx(2 / 3)
+    assert m.targets == {"ttft": 1.0, "tpot": 0.5}
+
+
+def test_aborted_request_never_meets_targets():
+    aborted = make_output(3, 2, [1.25], arrival=1.0, scheduled=1.0, reason="abort")
+    assert meets_targets(request_stats(B), {"ttft": 1.0})
+    assert not meets_targets(request_stats(aborted), {"ttft": 1.0})
+
+
+def test_parse_targets():
+    assert parse_targets("ttft<=0.5s,tpot<=0.05s") == {"ttft": 0.5, "tpot": 0.05}
+    assert parse_targets(" ttft <= 500ms , e2e<=2 ") == {"ttft": 0.5, "e2e": 2.0}
+    assert parse_targets("queue_time<=1e-1s") == {"queue_time": 0.1}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "empty"),
+        ("latency<=1s", "unknown latency target 'latency'"),
+        ("ttft<0.5s", "bad latency target 'ttft<0.5s'"),
+        ("ttft<=fast", "bad latency target"),
+        ("ttft<=0s", "target ttft must be > 0"),
+        ("ttft<=0.5s,,tpot<=1s", "bad latency target ''"),
+    ],
+)
+def test_parse_targets_rejects_bad_strings(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_targets(text)
+
+
+def test_bad_run_inputs():
+    with pytest.raises(ValueError, match="outputs is empty"):
+        run_metrics([])
+    with pytest.raises(ValueError, match="unknown latency target 'p99'"):
+        run_metrics([A], targets={"p99": 1.0})
+    with pytest.raises(ValueError, match="target tpot must be > 0"):
+        run_metrics([A], targets={"tpot": -1})
+    instant = make_output(0, 1, [0.0], arrival=0.0, scheduled=0.0)
+    with pytest.raises(ValueError, match=r"lasted 0\.0 s"):
+        run_metrics([instant])
+
+
+def make_report(step, free, *, preempted=()):
+    return StepReport(
+        step=step,
+        start_time=0.5 * (step - 1),
+        duration=0.5,
+        scheduled=[ScheduledWork(0, 0, 4, True, 7), ScheduledWork(1, 3, 1, False, 9), ScheduledWork(2, 8, 1, False, 9)],
+        padding=[ScheduledWork(3, 5, 2, True, None)],
+        preempted=list(preempted),
+        num_free_blocks=free,
+        num_blocks=8,
+        block_size=16,
+        num_running=3,
+        num_waiting=2,
+    )
+
+
+def test_step_stats_and_run_step_metrics_by_hand():
+    reports = [make_report(1, free=6, preempted=[4]), make_report(2, free=2)]
+    s = step_stats(reports[0])
+    assert (s.prefill_tokens, s.decode_tokens, s.wasted_slots) == (4, 2, 2)
+    assert (s.num_running, s.num_waiting, s.num_preempted) == (3, 2, 1)
+    assert s.kv_usage == 1 - 6 / 8
+    assert s.step_time == 0.5
+    m = run_metrics([A, B, C], reports)
+    assert m.num_steps == 2
+    assert m.peak_kv_usage == 1 - 2 / 8
+    assert m.wasted_slots == 4
+
+
+def test_to_dict_is_json():
+    m = run_metrics([A, B, C], [make_report(1, free=6)], targets="ttft<=1s")
+    data = json.loads(json.dumps(m.to_dict()))
+    assert data["ttft"]["median"] == 1.0
+    assert data["goodput"] == pytest.approx(3 / 4)  # all three have TTFT <= 1 s
+    assert json.loads(json.dumps(request_stats(A).to_dict()))["itl"] == [0.5, 1.0]
+
+
+def test_gpu_monitor_reports_nothing_without_cuda():
+    with GpuMonitor() as gpu:
+        pass
+    assert gpu.peak_memory_bytes is None
+    assert gpu.utilization is None
+    with pytest.raises(ValueError, match="interval"):
+        GpuMonitor(interval=0)
+
+
+def test_engine_run_is_self_consistent():
+    """On a real engine timeline, the definitions must agree with each other."""
+    engine = Engine(SimulatedModel(), EngineConfig(max_batch_tokens=64, max_num_seqs=4))
+    prompts = [[2 + i] * (10 + 7 * i) for i in range(6)]
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    for output in outputs:
+        s = request_stats(output)
+        assert 0 <= s.queue_time <= s.ttft <= s.e2e
+        assert s.num_output_tokens == 12
+        assert sum(s.itl) == pytest.approx(s.e2e - s.ttft)  # the gaps tile the decode phase
+        assert s.tpot == pytest.approx(sum(s.itl) / len(s.itl))
+    m = run_metrics(outputs)
+    assert m.num_output_tokens == 6 * 12
+    assert m.duration == max(o.metrics.finish_time for o in outputs)  # every request arrived at 0

@@ -1,0 +1,161 @@
+"""The online driver on the simulated model: arrivals, queueing, and the clock while the engine is idle."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from labkit import CostModel, Engine, EngineConfig, SamplingParams, SimulatedModel
+from labkit.online import run_workload
+from labkit.workloads import WorkloadRequest, make_workload
+
+STEP = 0.01  # every step costs exactly 10 ms, whatever it computes: service times are easy to count
+FLAT = SimulatedModel(cost=CostModel("flat", base=STEP, per_token=0.0, per_kv_token=0.0))
+VOCAB = {"vocab_size": FLAT.vocab_size, "special_ids": (0, FLAT.eos_token_id)}
+
+
+def engine(max_num_seqs=8, **kwargs):
+    return Engine(FLAT, EngineConfig(max_batch_tokens=64, max_num_seqs=max_num_seqs, **kwargs))
+
+
+def queue_times(run):
+    return np.array([o.metrics.first_scheduled_time - o.metrics.arrival_time for o in run.outputs])
+
+
+def test_offline_run_matches_generate():
+    workload = make_workload("long-tail", 16, output_len=(4, 12), long_output_len=40, **VOCAB)
+    run = run_workload(engine(), workload)
+    expected = engine().generate([r.prompt for r in workload], [r.sampling_params() for r in workload])
+    assert [o.output_token_ids for o in run.outputs] == [o.output_token_ids for o in expected]
+    assert [vars(o.metrics) for o in run.outputs] == [vars(o.metrics) for o in expected]
+    assert [len(o.output_token_ids) for o in run.outputs] == [r.max_new_tokens for r in workload]
+    assert sum(r.num_generated_tokens for r in run.reports) == sum(r.max_new_tokens for r in workload)
+
+
+def test_poisson_arrivals_give_expected_count():
+    rate, window = 5.0, 40.0
+    workload = make_workload("uniform", 400, rate=rate, seed=7, prompt_len=(4, 8), output_len=(4, 8), **VOCAB)
+    e = engine()
+    run = run_workload(e, workload)
+    assert all(o.finish_reason == "length" for o in run.outputs)
+    assert not e.has_unfinished() and not e.requests
+    arrivals = np.array([o.metrics.arrival_time for o in run.outputs])
+    # arrivals in [0, 40 s) are Poisson with mean 200 and sd sqrt(200) ~ 14: allow 4 sd
+    assert abs(np.sum(arrivals < window) - rate * window) < 4 * np.sqrt(rate * window)
+
+
+def test_low_rate_queue_stays_near_zero():
+    # 5 req/s of ~0.06 s requests on an 8-wide engine: a request waits at most for the step in flight.
+    workload = make_workload("uniform", 100, rate=5.0, seed=1, prompt_len=(4, 8), output_len=(4, 8), **VOCAB)
+    waits = queue_times(run_workload(engine(), workload))
+    assert waits.min() >= 0
+    assert waits.max() <= STEP + 1e-9
+    assert np.sum(waits == 0) > 50  # most find the engine idle: the clock jumps to their arrival
+
+
+def test_rate_above_capacity_queue_grows_with_arrival_index():
+    # One request at a time, each 10 steps (prefill + 9 decodes) = 0.1 s: capacity 10 req/s. At 50 req/s
+    # a backlog builds: request i starts about 0.1 * i after the first and arrives about i / 50 in, so its
+    # queue time grows by about 0.1 - 0.02 = 0.08 s per request.
+    workload = make_workload("uniform", 60, rate=50.0, seed=2, prompt_len=(4, 4), output_len=(10, 10), **VOCAB)
+    waits = queue_times(run_workload(engine(max_num_seqs=1), workload))
+    slope = np.polyfit(np.arange(len(waits)), waits, 1)[0]
+    assert 0.06 < slope < 0.10
+    assert np.corrcoef(np.arange(len(waits)), waits)[0, 1] > 0.95
+    assert waits[-10:].mean() > 10 * waits[:10].mean()
+
+
+def test_arrival_time_is_the_scheduled_arrival_on_the_engine_clock():
+    e = engine()
+    run_workload(e, [WorkloadRequest([5, 6, 7], 3)])  # moves the clock on
+    start = e.clock()
+    assert start > 0
+    workload = [WorkloadRequest([5, 6, 7], 3, 2.0), WorkloadRequest([8, 9], 2, 0.5), WorkloadRequest([4], 5, 0.5)]
+    run = run_workload(e, workload)
+    # outputs come back in workload order, not arrival order
+    assert [o.prompt_token_ids for o in run.outputs] == [r.prompt for r in workload]
+    assert [o.metrics.arrival_time for o in run.outputs] == [start + r.arrival_time for r in workload]
+    # the engine was idle at every arrival, so each was scheduled the moment it arrived
+    assert [o.metrics.first_scheduled_time for o in run.outputs] == [start + r.arrival_time for r in workload]
+
+
+def test_static_policy_online():
+    workload = make_workload(
+        "long-tail", 24, rate=20.0, prompt_len=(4, 16), output_len=(4, 8), long_output_len=30, **VOCAB
+    )
+    run = run_workload(engine(policy="static"), workload)
+    assert [len(o.output_token_ids) for o in run.outputs] == [r.max_new_tokens for r in workload]
+    assert any(r.padding for r in run.reports)
+    assert all(o.metrics.first_scheduled_time >= o.metrics.arrival_time for o in run.outputs)
+
+
+def test_eos_can_end_requests_when_not_ignored():
+    model = SimulatedModel(mean_output_len=3)
+    workload = make_workload("uniform", 20, output_len=(30, 30), **VOCAB)
+    run = run_workload(Engine(model), workload, ignore_eos=False)
+    assert any(o.finish_reason == "stop" for o in run.outputs)
+    assert all(run_workload(Engine(model), workload).outputs[i].finish_reason == "length" for i in range(20))
+
+
+def test_refused_request_leaves_the_engine_clean():
+    e = Engine(SimulatedModel(max_model_len=32))
+    workload = [WorkloadRequest([5] * 8, 4, 0.0), WorkloadRequest([5] * 30, 8, 0.2)]
+    with pytest.raises(ValueError, match="maximum length"):
+        run_workload(e, workload)
+    assert not e.has_unfinished()
+    assert e.requests == {}
+    assert e.num_free_blocks == e.num_blocks
+
+
+def test_bad_workloads():
+    with pytest.raises(ValueError, match="workload is empty"):
+        run_workload(engine(), [])
+    with pytest.raises(TypeError, match="WorkloadRequest"):
+        run_workload(engine(), [([5, 6], SamplingParams())])
+
+
+class WallClockRunner:
+    """A runner on real time with no wait_until: the driver has to sleep until the next arrival."""
+
+    vocab_size = 100
+    max_model_len = 1000
+    eos_token_ids = frozenset({1})
+    device_name = "wall clock"
+
+    def clock(self):
+        return time.perf_counter()
+
+    def init_cache(self, block_size, num_blocks):
+        return 64
+
+    def execute(self, output, allocator):
+        return [2 for chunk in output.chunks if chunk.samples]
+
+
+class WallClockModel:
+    def make_runner(self, config):
+        return WallClockRunner()
+
+
+class FrozenClockModel(WallClockModel):
+    def make_runner(self, config):
+        runner = WallClockRunner()
+        runner.clock = lambda: 0.0
+        return runner
+
+
+def test_real_clock_sleeps_until_arrivals():
+    workload = [WorkloadRequest([5, 6], 2, t) for t in (0.0, 0.05, 0.1)]
+    began = time.perf_counter()
+    run = run_workload(Engine(WallClockModel()), workload)
+    assert time.perf_counter() - began >= 0.1
+    for o in run.outputs:
+        assert o.metrics.first_scheduled_time >= o.metrics.arrival_time
+        assert o.metrics.first_scheduled_time - o.metrics.arrival_time < 0.05  # it woke up in time
+
+
+def test_clock_that_cannot_advance_is_an_error():
+    with pytest.raises(RuntimeError, match="wait_until"):
+        run_workload(Engine(FrozenClockModel()), [WorkloadRequest([5], 2, 0.01)])

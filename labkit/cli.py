@@ -11,7 +11,15 @@ from rich.console import Console
 from rich.table import Table
 
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel
+from labkit.bench import main as bench_main
 from labkit.report import StepReport
+
+USAGE = """usage: labkit {demo,bench} [options]
+
+  demo    step the engine through continuous and static batching and print what it did
+  bench   serve a workload in several modes and compare throughput and latency
+
+Run `labkit demo --help` or `labkit bench --help` for the options."""
 
 
 def demo_prompts(count: int, vocab_size: int, seed: int) -> tuple[list[list[int]], list[int]]:
@@ -115,9 +123,9 @@ def demo_main(argv: Sequence[str] | None = None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": demo_main}
+    commands = {"demo": demo_main, "bench": bench_main}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: labkit {demo} [options]\n\n  demo   step the engine and print what it did", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:])
 

@@ -35,6 +35,9 @@ class Runner(Protocol):
     def execute(self, output: SchedulerOutput, allocator: BlockAllocator) -> list[int]:
         """Run one step; return one token per chunk with ``samples=True``, in order."""
 
+    def wait_until(self, t: float) -> None:
+        """Idle until ``clock() >= t``: a simulated clock jumps, a real one sleeps (the online driver uses it)."""
+
 
 def make_runner(model: Any, config: EngineConfig) -> Runner:
     """A model that knows its runner (e.g. SimulatedModel) makes it; anything else is a transformers model."""

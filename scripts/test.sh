@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: set up, lint, then pytest (unit, property, parity and notebook tests).
+# The whole test suite: set up, lint, pytest (unit, property, parity and notebook tests), then the widgets
+# in a real browser (JupyterLab + headless Chromium) and under Colab's pinned ipywidgets/plotly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -17,4 +18,7 @@ if [ "$status" -eq 5 ]; then
   echo "pytest collected no tests"
   status=0
 fi
-exit "$status"
+[ "$status" -eq 0 ] || exit "$status"
+
+PYTHON=.venv/bin/python bash tests/browser/run.sh
+bash tests/compat/run_colab_pins.sh

@@ -1,0 +1,65 @@
+"""What every labkit widget shares: a static figure always, an interactive widget where a kernel can show one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import plotly.graph_objects as go
+
+from labkit.report import StepReport
+from labkit.viz._compat import in_colab, prepare_front_end, static_bundle, widget_bundle, widgets_enabled
+from labkit.viz.record import Recorder
+
+
+class Displayable:
+    """Base of the widgets. Subclasses build ``figure()`` (a go.Figure of the current state) and the widget.
+
+    Displayed in a kernel, the bundle holds the widget view *and* the static figure as HTML: JupyterLab
+    and Colab draw the widget, while an HTML export (nbconvert drops widget views whose state was not
+    saved) or a viewer without a kernel falls back to the figure.
+    """
+
+    _widget: Any = None
+    _recorders: tuple[Recorder, ...] = ()
+
+    def figure(self) -> go.Figure:
+        raise NotImplementedError
+
+    def _build_widget(self) -> Any:
+        raise NotImplementedError
+
+    def _on_report(self, report: StepReport) -> None:
+        raise NotImplementedError
+
+    def _listen(self, recorders: Iterable[Recorder]) -> None:
+        """Hear about every new report of the live ones among ``recorders``."""
+        self._recorders = tuple(r for r in recorders if r.live)
+        for recorder in self._recorders:
+            recorder.subscribers.append(self._on_report)
+
+    def close(self) -> None:
+        """Stop following live runs and close the widget (re-running a cell otherwise leaves old ones redrawing)."""
+        for recorder in self._recorders:
+            recorder.subscribers.remove(self._on_report)
+        self._recorders = ()
+        if self._widget is not None:
+            self._widget.close()
+            self._widget = None
+
+    @property
+    def widget(self) -> Any:
+        """The ipywidgets view, built on first use (so scripts and tests without a front end build none)."""
+        if self._widget is None:
+            self._widget = self._build_widget()
+        return self._widget
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+        static = static_bundle(self.figure(), repr(self))
+        if not widgets_enabled():
+            return static
+        prepare_front_end()
+        bundle = widget_bundle(self.widget)
+        if not in_colab():  # Colab saves its own output; elsewhere the HTML is what exports show
+            bundle["text/html"] = static["text/html"]
+        return bundle

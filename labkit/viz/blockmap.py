@@ -1,0 +1,309 @@
+"""BlockMap: every KV block of the paged cache as one cell, coloured by the request that owns it.
+
+Watching the grid is the quickest way to see paging at work: a request grows one block at a time, its
+blocks need not be neighbours, a finished request's blocks turn grey at once and are reused in the next
+step, and under the static policy whole rows of blocks sit reserved (pale) for tokens never generated.
+Each cell's colour is its owner's (stable per request); its shade says how many of the block's slots
+hold keys and values. Play, step or drag the slider to travel through the recorded steps.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Any
+
+import plotly.graph_objects as go
+from plotly.colors import qualitative
+
+from labkit.report import StepReport
+from labkit.viz._compat import FigureView, Throttle, link_values
+from labkit.viz._display import Displayable
+from labkit.viz.record import as_recorder
+from labkit.viz.replay import BlockCell, CacheHistory, CacheState, RequestRow
+
+PALETTE = [*qualitative.Plotly, *(c for c in qualitative.D3 if c.upper() != "#7F7F7F")]  # no grey: grey is free
+FREE_COLOR = "#e6e6e6"
+EMPTY_SHADE = 0.25  # how much colour an owned block with no filled slot keeps
+MIN_SPEED, MAX_SPEED = 0.25, 30.0  # playback, in steps per second
+
+
+def request_color(request_id: int) -> str:
+    """The colour of a request, the same in every frame and in the request table."""
+    return PALETTE[request_id % len(PALETTE)]
+
+
+class BlockMap(Displayable):
+    """The KV cache as a heatmap, with the request table and the step's events beside it.
+
+    ``source`` is an Engine (live: the map follows each ``engine.step()``), a Recorder, a trace path
+    or a list of StepReports (replay). ``speed`` is in steps per second of playback; a live map redraws at
+    most every ``min_redraw_seconds`` (a GPU steps faster than a browser draws) and always when the
+    engine runs out of work. Attach a live map before the engine's first step: blocks taken earlier are
+    not in any report.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        *,
+        columns: int | None = None,
+        speed: float = 5.0,
+        min_redraw_seconds: float = 0.05,
+    ) -> None:
+        self.recorder = as_recorder(source)
+        self.history = CacheHistory(self.recorder)
+        num_blocks = self.recorder.num_blocks
+        if self.recorder.meta.get("free_blocks_at_start", num_blocks) != num_blocks:
+            raise ValueError("the recording started with blocks already in use; attach before the engine's first step")
+        if columns is None:  # about twice as wide as tall, cells big enough to read while they fit
+            columns = min(num_blocks, 16) if num_blocks <= 256 else 32 if num_blocks <= 1024 else None
+            columns = columns or math.ceil(math.sqrt(2 * num_blocks))
+        if isinstance(columns, bool) or not isinstance(columns, int) or columns < 1:
+            raise ValueError(f"columns must be a positive int, got {columns!r}")
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)):
+            raise TypeError(f"speed must be a number of steps per second, got {type(speed).__name__}")
+        if not MIN_SPEED <= speed <= MAX_SPEED:
+            raise ValueError(f"speed must be in [{MIN_SPEED}, {MAX_SPEED}] steps per second, got {speed}")
+        self.columns = columns
+        self.speed = speed
+        self.position = len(self.history) if self.recorder.live else 0
+        self._following = self.recorder.live
+        self._throttle = Throttle(min_redraw_seconds)
+        self._listen([self.recorder])
+
+    def __repr__(self) -> str:
+        r = self.recorder
+        return f"BlockMap({len(self.history)} steps, {r.num_blocks} blocks x {r.block_size} slots, {r.device})"
+
+    # ------------------------------------------------------------------ what is shown, as plain data
+    def _position(self, position: int | None) -> int:
+        return self.position if position is None else position
+
+    def cells(self, position: int | None = None) -> list[BlockCell]:
+        """The blocks after ``position`` recorded steps (default: the step on screen)."""
+        return self.history.state(self._position(position)).cells()
+
+    def rows(self, position: int | None = None) -> list[RequestRow]:
+        """The request table after ``position`` recorded steps."""
+        return self.history.state(self._position(position)).rows()
+
+    def report(self, position: int | None = None) -> StepReport | None:
+        """The report of the step that led to ``position`` (None before the first step)."""
+        position = self._position(position)
+        self.history.check(position)
+        return self.recorder.reports[position - 1] if position else None
+
+    def log(self, position: int | None = None) -> list[str]:
+        """The step's events in words, exactly as ``StepReport.describe()`` gives them."""
+        report = self.report(position)
+        return report.describe() if report is not None else []
+
+    # ------------------------------------------------------------------ figure
+    def figure(self, position: int | None = None) -> go.Figure:
+        """A static plotly figure of the map at ``position``: for exports, scripts and kernel-less viewers."""
+        state = self.history.state(self._position(position))
+        rows = math.ceil(state.num_blocks / self.columns)
+        cell = 30 if self.columns <= 16 else 20 if self.columns <= 32 else max(4, 960 // self.columns)
+        gap = 2 if cell >= 10 else 0
+        labels = {"texttemplate": "%{text}", "textfont": {"size": 10 if cell >= 30 else 8}} if cell >= 20 else {}
+        fig = go.Figure(
+            go.Heatmap(
+                colorscale=_colorscale(),
+                zmin=-1,
+                zmax=len(PALETTE),
+                showscale=False,
+                xgap=gap,
+                ygap=gap,
+                hoverinfo="text",
+                **labels,
+                **self._heatmap_data(state),
+            )
+        )
+        fig.update_layout(
+            title={"text": self._title(state), "font": {"size": 14}},
+            width=self.columns * cell + 40,
+            height=rows * cell + 90,
+            margin={"l": 20, "r": 20, "t": 50, "b": 20},
+            xaxis={"visible": False, "fixedrange": True},
+            yaxis={"visible": False, "fixedrange": True, "autorange": "reversed"},
+            plot_bgcolor="white",
+        )
+        return fig
+
+    def _heatmap_data(self, state: CacheState) -> dict[str, Any]:
+        """Cell values: z encodes owner colour and fill shade, text the owner, hovertext the details."""
+        size = state.block_size
+        z: list[list[float | None]] = []
+        text: list[list[str]] = []
+        hover: list[list[str]] = []
+        for cell in state.cells():
+            if cell.block_id % self.columns == 0:
+                z.append([])
+                text.append([])
+                hover.append([])
+            if cell.owner is None:
+                z[-1].append(-0.5)
+                text[-1].append("")
+                hover[-1].append(f"block {cell.block_id}<br>free")
+            else:
+                band = cell.owner % len(PALETTE)
+                z[-1].append(band + 0.01 + 0.98 * cell.filled / size)
+                text[-1].append(str(cell.owner))
+                hover[-1].append(
+                    f"block {cell.block_id}<br>request {cell.owner}<br>{cell.filled}/{size} slots filled"
+                    f"<br>refs {cell.refs}"
+                )
+        pad = self.columns - len(z[-1])
+        z[-1] += [None] * pad
+        text[-1] += [""] * pad
+        hover[-1] += [""] * pad
+        return {"z": z, "text": text, "hovertext": hover}
+
+    def _title(self, state: CacheState) -> str:
+        if state.num_applied == 0:
+            return f"KV cache before the first step: {state.num_blocks} blocks x {state.block_size} slots"
+        step = self.recorder.reports[state.num_applied - 1].step
+        used = state.num_blocks - self.recorder.reports[state.num_applied - 1].num_free_blocks
+        filled = sum(state.computed.values())
+        return (
+            f"KV cache after step {step}: {used}/{state.num_blocks} blocks in use,"
+            f" {filled}/{used * state.block_size} of their slots filled"
+        )
+
+    # ------------------------------------------------------------------ widget
+    def _build_widget(self) -> Any:
+        import ipywidgets as widgets
+
+        steps = len(self.history)
+        self._view = FigureView(self.figure())
+        self._play = widgets.Play(
+            value=self.position, min=0, max=steps, step=1, interval=round(1000 / self.speed), description="play"
+        )
+        self._play.add_class("labkit-play")
+        self._slider = widgets.IntSlider(
+            value=self.position, min=0, max=steps, description="step", layout=widgets.Layout(width="300px")
+        )
+        self._slider.add_class("labkit-step-slider")
+        self._back = widgets.Button(description="◀", tooltip="one step back", layout=widgets.Layout(width="36px"))
+        self._forward = widgets.Button(description="▶", tooltip="one step forward", layout=widgets.Layout(width="36px"))
+        self._speed = widgets.FloatSlider(
+            value=self.speed,
+            min=MIN_SPEED,
+            max=MAX_SPEED,
+            step=MIN_SPEED,
+            description="steps/s",
+            layout=widgets.Layout(width="300px"),
+        )
+        link_values(self._play, self._slider)
+        self._slider.observe(self._on_slider, names="value")
+        self._back.on_click(lambda _: self._move(-1))
+        self._forward.on_click(lambda _: self._move(1))
+        self._speed.observe(self._on_speed, names="value")
+        self._table = widgets.HTML(self._table_html(self.rows()))
+        self._log = widgets.HTML(self._log_html(self.position))
+        figure_box = widgets.Box([self._view.widget])
+        figure_box.add_class("labkit-blockmap-figure")
+        controls = widgets.VBox([widgets.HBox([self._play, self._back, self._forward, self._slider]), self._speed])
+        side = widgets.VBox([self._table, self._log], layout=widgets.Layout(width="460px"))
+        box = widgets.HBox([widgets.VBox([figure_box, controls]), side])
+        box.add_class("labkit-blockmap")
+        return box
+
+    def show(self, position: int) -> None:
+        """Show the cache after ``position`` recorded steps (0: before the first step)."""
+        self.history.check(position)
+        if self._widget is None:
+            self.position = position
+        else:
+            self._slider.value = position  # the observer redraws
+
+    def _move(self, delta: int) -> None:
+        self._slider.value = min(max(self._slider.value + delta, 0), self._slider.max)
+
+    def _on_speed(self, change: dict[str, Any]) -> None:
+        self.speed = change["new"]
+        self._play.interval = round(1000 / self.speed)
+
+    def _on_slider(self, change: dict[str, Any]) -> None:
+        self.position = change["new"]
+        self._following = self.position == self._slider.max
+        self._redraw()
+
+    def _on_report(self, report: StepReport) -> None:
+        steps = len(self.history)
+        if self._widget is None:
+            if self._following:
+                self.position = steps
+            return
+        self._play.max = self._slider.max = steps
+        idle = report.num_running == 0 and report.num_waiting == 0
+        if self._following and self._throttle.ready(force=idle):
+            self._slider.value = steps
+
+    def refresh(self) -> None:
+        """Redraw now (a live map skips redraws while steps come faster than ``min_redraw_seconds``)."""
+        if self._widget is not None:
+            if self._following:
+                self._slider.value = self._slider.max
+            self._redraw()
+
+    def _redraw(self) -> None:
+        state = self.history.state(self.position)
+        with self._view.batch_update() as fig:
+            fig.data[0].update(self._heatmap_data(state))
+            fig.layout.title.text = self._title(state)
+        self._table.value = self._table_html(state.rows())
+        self._log.value = self._log_html(self.position)
+
+    def _table_html(self, rows: list[RequestRow]) -> str:
+        head = "".join(
+            f"<th style='padding:1px 6px;text-align:left'>{h}</th>"
+            for h in ("request", "state", "prompt", "generated", "blocks", "preempted")
+        )
+        body = []
+        for row in rows:
+            color = request_color(row.request_id)
+            swatch = f"<span style='display:inline-block;width:10px;height:10px;background:{color}'></span>"
+            prompt = "?" if row.prompt_tokens is None else row.prompt_tokens
+            cells = (f"{swatch} {row.request_id}", row.state, prompt, row.generated_tokens, row.num_blocks)
+            cells += (row.preemptions,)
+            body.append("<tr>" + "".join(f"<td style='padding:1px 6px'>{c}</td>" for c in cells) + "</tr>")
+        if not body:
+            body.append("<tr><td colspan='6' style='padding:1px 6px'>no requests yet</td></tr>")
+        return (
+            "<div class='labkit-requests' style='max-height:300px;overflow:auto;font-size:12px;line-height:1.3;"
+            f"white-space:nowrap'><table><tr>{head}</tr>{''.join(body)}</table></div>"
+        )
+
+    def _log_html(self, position: int, context: int = 4) -> str:
+        """The step's events in bold, with the few steps before it in grey."""
+        lines = []
+        for p in range(max(1, position - context), position + 1):
+            report = self.recorder.reports[p - 1]
+            events = report.describe() or [
+                f"step {report.step}: no block changes ({report.num_prefill_tokens} prefill,"
+                f" {report.num_decode_tokens} decode tokens)"
+            ]
+            style = "font-weight:bold" if p == position else "color:#888"
+            lines += [f"<div style='{style}'>{html.escape(line)}</div>" for line in events]
+        if not lines:
+            lines.append("<div>before the first step</div>")
+        style = "font-family:monospace;font-size:12px;line-height:1.35;margin-top:8px"
+        return f"<div class='labkit-log' style='{style}'>{''.join(lines)}</div>"
+
+
+def _colorscale() -> list[list[Any]]:
+    """One band of z per palette colour, pale (empty block) to full (every slot filled); grey below 0 for free."""
+    span = len(PALETTE) + 1
+    scale: list[list[Any]] = [[0.0, FREE_COLOR], [1 / span, FREE_COLOR]]
+    for band, color in enumerate(PALETTE):
+        scale += [[(band + 1) / span, _tint(color, EMPTY_SHADE)], [(band + 2) / span, color]]
+    scale[-1][0] = 1.0  # exactly 1, whatever the rounding
+    return scale
+
+
+def _tint(color: str, amount: float) -> str:
+    """``color`` mixed with white, keeping ``amount`` of the colour."""
+    r, g, b = (int(color.lstrip("#")[i : i + 2], 16) for i in (0, 2, 4))
+    return "#" + "".join(f"{round(255 - (255 - c) * amount):02x}" for c in (r, g, b))

@@ -1,0 +1,143 @@
+"""Recorder: the one place where a run's StepReports are collected, so widgets never look inside an engine.
+
+Attached to an engine it is one of ``engine.step_listeners``: it keeps every StepReport, notes what each
+request asked for (prompt length, token budget, arrival time: the few facts reports do not carry), and
+passes each report on to its subscribers (the widgets). Saved with :meth:`Recorder.save` it becomes a JSON
+trace that :meth:`Recorder.load` turns back into the same object, so a run recorded on a GPU replays
+anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from labkit.report import StepReport, load_trace, save_trace
+
+
+class RequestInfo(NamedTuple):
+    """What a request asked for: reports say what ran, not how long the prompt was or when it arrived."""
+
+    prompt_tokens: int
+    max_new_tokens: int
+    arrival_time: float
+
+
+class Recorder:
+    """A run's StepReports plus metadata (policy, device, cache shape, per-request :class:`RequestInfo`).
+
+    ``subscribers`` are called with each new report while the recorder is attached to an engine.
+    """
+
+    def __init__(self, reports: Iterable[StepReport] = (), meta: Mapping[str, Any] | None = None) -> None:
+        self.reports: list[StepReport] = list(reports)
+        for report in self.reports:
+            if not isinstance(report, StepReport):
+                raise TypeError(f"reports must be StepReport objects, got {type(report).__name__}")
+        if meta is not None and not isinstance(meta, Mapping):
+            raise TypeError(f"meta must be a mapping, got {type(meta).__name__}")
+        meta = dict(meta or {})
+        self.requests: dict[int, RequestInfo] = {
+            int(rid): RequestInfo(**info) for rid, info in meta.pop("requests", {}).items()
+        }
+        self.meta: dict[str, Any] = meta
+        self.subscribers: list[Callable[[StepReport], None]] = []
+        self.engine: Any = None
+
+    # ------------------------------------------------------------------ live recording
+    def attach(self, engine: Any) -> Recorder:
+        """Start recording ``engine``'s steps; its configuration and device go into the metadata."""
+        if not hasattr(engine, "step_listeners"):
+            raise TypeError(f"expected an Engine (with step_listeners), got {type(engine).__name__}")
+        if self.engine is not None:
+            raise ValueError("this recorder is already attached to an engine")
+        config = engine.config
+        self.meta.update(
+            policy=config.policy,
+            device=engine.device_name,
+            block_size=config.block_size,
+            num_blocks=engine.num_blocks,
+            max_batch_tokens=config.max_batch_tokens,
+            max_num_seqs=config.max_num_seqs,
+            chunked_prefill=config.chunked_prefill,
+            free_blocks_at_start=engine.num_free_blocks,
+        )
+        self.engine = engine
+        self._note_requests()
+        engine.step_listeners.append(self)
+        return self
+
+    def detach(self) -> None:
+        """Stop recording; the reports stay."""
+        if self.engine is not None:
+            self.engine.step_listeners.remove(self)
+            self.engine = None
+
+    def __call__(self, report: StepReport) -> None:
+        """The step listener: keep the report, note new requests, tell the subscribers."""
+        if self.engine is not None:
+            self._note_requests()
+        self.reports.append(report)
+        for subscriber in self.subscribers:
+            subscriber(report)
+
+    def _note_requests(self) -> None:
+        for request_id, request in self.engine.requests.items():
+            if request_id not in self.requests:
+                self.requests[request_id] = RequestInfo(
+                    request.num_prompt_tokens, request.params.max_new_tokens, request.metrics.arrival_time
+                )
+
+    # ------------------------------------------------------------------ what widgets read
+    @property
+    def live(self) -> bool:
+        return self.engine is not None
+
+    @property
+    def device(self) -> str:
+        return str(self.meta.get("device", "unknown device"))
+
+    @property
+    def num_blocks(self) -> int | None:
+        return self.reports[0].num_blocks if self.reports else self.meta.get("num_blocks")
+
+    @property
+    def block_size(self) -> int | None:
+        return self.reports[0].block_size if self.reports else self.meta.get("block_size")
+
+    # ------------------------------------------------------------------ traces
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the reports and metadata to a JSON trace (see :func:`labkit.report.save_trace`)."""
+        requests = {str(rid): info._asdict() for rid, info in self.requests.items()}
+        return save_trace(path, self.reports, **self.meta, requests=requests)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Recorder:
+        """Read a trace written by :meth:`save` (or by ``save_trace``) for replay."""
+        reports, meta = load_trace(path)
+        return cls(reports, meta)
+
+
+def record(engine: Any) -> Recorder:
+    """The engine's recorder: the one already among its step listeners, else a new one attached to it."""
+    for listener in getattr(engine, "step_listeners", ()):
+        if isinstance(listener, Recorder):
+            return listener
+    return Recorder().attach(engine)
+
+
+def as_recorder(source: Any) -> Recorder:
+    """Accept what a widget can show: a Recorder, an Engine (live), a trace path, or a list of StepReports."""
+    if isinstance(source, Recorder):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        return Recorder.load(source)
+    if hasattr(source, "step_listeners"):
+        return record(source)
+    if isinstance(source, Iterable) and not isinstance(source, (bytes, Mapping)):
+        return Recorder(source)
+    raise TypeError(
+        f"expected an Engine, a Recorder, a trace file path or a list of StepReports, got {type(source).__name__}"
+    )

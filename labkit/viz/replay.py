@@ -1,0 +1,186 @@
+"""Rebuild the KV cache and the request table at any step, from StepReports alone.
+
+A report lists the step's block events (which request took or freed which block), the work it
+scheduled (which token positions were computed) and who was admitted, preempted or finished. Applying
+reports one after another reproduces the allocator's block tables and every request's computed tokens
+without touching the engine, which is why a saved trace can be replayed, and stepped backwards, anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+from labkit.report import StepReport
+from labkit.viz.record import Recorder, RequestInfo
+
+
+class BlockCell(NamedTuple):
+    """One KV block as the block map draws it; ``owner`` is None for a free block."""
+
+    block_id: int
+    owner: int | None
+    filled: int  # slots holding a token's keys and values
+    refs: int  # how many requests' block tables hold this block
+
+
+class RequestRow(NamedTuple):
+    """One line of the request table."""
+
+    request_id: int
+    state: str  # waiting, prefilling, decoding, preempted, finished (reason)
+    prompt_tokens: int | None  # None until known (from the recorder, or from the first sampled token)
+    generated_tokens: int
+    num_blocks: int
+    preemptions: int
+
+
+@dataclass
+class _Progress:
+    state: str = "waiting"
+    prompt_tokens: int | None = None
+    generated_tokens: int = 0
+    preemptions: int = 0
+
+
+class CacheState:
+    """The cache and the requests after ``num_applied`` reports. Treat it as read-only once returned."""
+
+    def __init__(self, num_blocks: int, block_size: int, requests: dict[int, RequestInfo] | None = None) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_applied = 0
+        self.time: float | None = None  # end of the last applied step (None: before a live run's first step)
+        self.tables: dict[int, list[int]] = {}  # request id -> block ids, in token order
+        self.computed: dict[int, int] = {}  # request id -> tokens whose keys and values are cached
+        self.progress: dict[int, _Progress] = {}
+        self.requests = requests if requests is not None else {}  # shared with a live recorder: it grows
+
+    def copy(self) -> CacheState:
+        other = CacheState(self.num_blocks, self.block_size, self.requests)
+        other.num_applied, other.time = self.num_applied, self.time
+        other.tables = {rid: list(table) for rid, table in self.tables.items()}
+        other.computed = dict(self.computed)
+        other.progress = {rid: replace(p) for rid, p in self.progress.items()}
+        return other
+
+    def _progress(self, request_id: int) -> _Progress:
+        if request_id not in self.progress:
+            info = self.requests.get(request_id)
+            self.progress[request_id] = _Progress(prompt_tokens=info.prompt_tokens if info else None)
+        return self.progress[request_id]
+
+    def apply(self, report: StepReport) -> None:
+        """Advance by one step: block events in the order they happened, then the computed tokens."""
+        ended = set(report.preempted) | set(report.finished)
+        for event in report.block_events:
+            if event.kind == "alloc":
+                self.tables.setdefault(event.request_id, []).append(event.block_id)
+            elif event.request_id in self.tables:  # a free drops the request's whole table at once
+                del self.tables[event.request_id]
+                self.computed.pop(event.request_id, None)
+                progress = self._progress(event.request_id)
+                if event.request_id not in ended and not progress.state.startswith("finished"):
+                    progress.state = "finished (abort)"  # freed outside a step: Engine.abort
+        for request_id in report.admitted:
+            self._progress(request_id).state = "prefilling"
+        for work in report.scheduled:
+            if work.request_id in self.tables:
+                self.computed[work.request_id] = work.start + work.num_tokens
+            progress = self._progress(work.request_id)
+            if work.token is not None:
+                if progress.prompt_tokens is None:  # a sampling chunk ends at prompt + tokens generated so far
+                    progress.prompt_tokens = work.start + work.num_tokens - progress.generated_tokens
+                progress.generated_tokens += 1
+                progress.state = "decoding"
+        for request_id in report.preempted:
+            progress = self._progress(request_id)
+            progress.state = "preempted"
+            progress.preemptions += 1
+        for request_id, reason in report.finished.items():
+            self._progress(request_id).state = f"finished ({reason})"
+        self.num_applied += 1
+        self.time = report.end_time
+
+    def cells(self) -> list[BlockCell]:
+        """Every block: its first owner, how many of its slots are filled, and its reference count."""
+        owner: list[int | None] = [None] * self.num_blocks
+        filled = [0] * self.num_blocks
+        refs = [0] * self.num_blocks
+        size = self.block_size
+        for request_id, table in self.tables.items():
+            computed = self.computed.get(request_id, 0)
+            for index, block in enumerate(table):
+                refs[block] += 1
+                if owner[block] is None:
+                    owner[block] = request_id
+                    filled[block] = min(max(computed - index * size, 0), size)
+        return [BlockCell(b, owner[b], filled[b], refs[b]) for b in range(self.num_blocks)]
+
+    def rows(self) -> list[RequestRow]:
+        """The request table: every request seen in a report, or known to have arrived by now."""
+        ids = set(self.progress)
+        if self.time is None:  # before the first recorded step: everything queued so far
+            ids.update(self.requests)
+        else:
+            ids.update(rid for rid, info in self.requests.items() if info.arrival_time <= self.time)
+        rows = []
+        for request_id in sorted(ids):
+            progress = self.progress.get(request_id) or _Progress(prompt_tokens=self.requests[request_id].prompt_tokens)
+            rows.append(
+                RequestRow(
+                    request_id,
+                    progress.state,
+                    progress.prompt_tokens,
+                    progress.generated_tokens,
+                    len(self.tables.get(request_id, ())),
+                    progress.preemptions,
+                )
+            )
+        return rows
+
+
+class CacheHistory:
+    """Time travel over a recorded run: the state after any number of steps, from a checkpoint every few steps.
+
+    Keeping every state would cost ``num_blocks`` per step; replaying from the start would cost every
+    step per frame. A copy every ``CHECKPOINT_EVERY`` steps bounds both.
+    """
+
+    CHECKPOINT_EVERY = 32
+
+    def __init__(self, recorder: Recorder) -> None:
+        num_blocks, block_size = recorder.num_blocks, recorder.block_size
+        if num_blocks is None or block_size is None:
+            raise ValueError("nothing to replay: no step reports, and no num_blocks/block_size in the metadata")
+        self.recorder = recorder
+        start = CacheState(num_blocks, block_size, recorder.requests)
+        if recorder.reports:
+            start.time = recorder.reports[0].start_time
+        self._checkpoints = [start]
+
+    def __len__(self) -> int:
+        """Number of recorded steps; positions run from 0 (before the first step) to ``len(history)``."""
+        return len(self.recorder.reports)
+
+    def check(self, position: int) -> None:
+        """Raise unless ``position`` is a number of recorded steps: 0 to ``len(history)``."""
+        if isinstance(position, bool) or not isinstance(position, int):
+            raise TypeError(f"position must be an int, got {type(position).__name__}")
+        if not 0 <= position <= len(self):
+            raise ValueError(f"position must be in [0, {len(self)}], got {position}")
+
+    def state(self, position: int) -> CacheState:
+        """The cache after the first ``position`` recorded steps (0: before any step)."""
+        self.check(position)
+        reports = self.recorder.reports
+        every = self.CHECKPOINT_EVERY
+        while len(self._checkpoints) <= position // every:
+            state = self._checkpoints[-1].copy()
+            for report in reports[state.num_applied : state.num_applied + every]:
+                state.apply(report)
+            self._checkpoints.append(state)
+        state = self._checkpoints[position // every].copy()
+        for report in reports[state.num_applied : position]:
+            state.apply(report)
+        return state

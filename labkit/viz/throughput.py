@@ -1,0 +1,236 @@
+"""LiveThroughput: tokens per second, KV-cache use and batch size while runs are in progress, side by side.
+
+Run the same workload under continuous and static batching and the top plot shows why servers batch
+continuously: static throughput sags as a batch's members finish and their rows sit idle, then drops
+to nothing between batches, while continuous batching refills the freed rows at once. The summary
+table underneath gives the ratios.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from labkit.report import StepReport
+from labkit.viz._compat import FigureView, Throttle
+from labkit.viz._display import Displayable
+from labkit.viz.blockmap import PALETTE
+from labkit.viz.record import Recorder, as_recorder
+
+RUN_COLORS = {"continuous": "#4c78a8", "static": "#f58518"}
+SERIES = ("tokens_per_s", "kv_usage", "batch_size")
+SERIES_TITLES = ("generated tokens/s", "KV cache in use (%)", "requests in the step's batch")
+
+
+class RunSummary(NamedTuple):
+    """One run in numbers; ``tokens_per_s`` is generated tokens over the time from first step to last."""
+
+    label: str
+    device: str
+    steps: int
+    finished_requests: int
+    generated_tokens: int
+    duration: float
+    tokens_per_s: float
+    mean_batch_size: float
+    peak_kv_usage: float
+    preemptions: int
+    wasted_slots: int
+
+
+def throughput_series(reports: list[StepReport], window: int = 8) -> dict[str, list[float]]:
+    """Per step: time since the run's start (at the step's end), tokens/s over the last ``window`` steps,
+    KV usage in percent, and how many requests the step computed."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int, got {window!r}")
+    series: dict[str, list[float]] = {"time": [], **{name: [] for name in SERIES}}
+    if not reports:
+        return series
+    origin = reports[0].start_time
+    generated = [0]
+    for i, report in enumerate(reports):
+        generated.append(generated[-1] + report.num_generated_tokens)
+        first = max(0, i - window + 1)
+        elapsed = report.end_time - reports[first].start_time
+        series["time"].append(report.end_time - origin)
+        series["tokens_per_s"].append((generated[-1] - generated[first]) / elapsed if elapsed > 0 else 0.0)
+        series["kv_usage"].append(100 * report.kv_usage)
+        series["batch_size"].append(len({w.request_id for w in report.scheduled}))
+    return series
+
+
+def summarize_run(label: str, recorder: Recorder) -> RunSummary:
+    reports = recorder.reports
+    generated = sum(r.num_generated_tokens for r in reports)
+    duration = reports[-1].end_time - reports[0].start_time if reports else 0.0
+    busy = [len(r.scheduled) for r in reports if r.scheduled]
+    return RunSummary(
+        label=label,
+        device=recorder.device,
+        steps=len(reports),
+        finished_requests=sum(len(r.finished) for r in reports),
+        generated_tokens=generated,
+        duration=duration,
+        tokens_per_s=generated / duration if duration > 0 else 0.0,
+        mean_batch_size=sum(busy) / len(busy) if busy else 0.0,
+        peak_kv_usage=max((r.kv_usage for r in reports), default=0.0),
+        preemptions=sum(len(r.preempted) for r in reports),
+        wasted_slots=sum(r.wasted_slots for r in reports),
+    )
+
+
+class LiveThroughput(Displayable):
+    """Throughput, KV usage and batch size of one or more runs (``{"continuous": a, "static": b}``), live.
+
+    Each run is an Engine (live), a Recorder, a trace path or a list of StepReports. Rates are tokens
+    generated over the last ``window`` steps; the summary compares every run with ``baseline`` (default:
+    the run called "static", else the first). A live plot redraws at most every ``min_redraw_seconds``.
+    """
+
+    def __init__(
+        self,
+        runs: Any,
+        *,
+        window: int = 8,
+        baseline: str | None = None,
+        min_redraw_seconds: float = 0.2,
+        max_points: int = 2000,
+    ) -> None:
+        if not isinstance(runs, Mapping):
+            runs = {"run": runs}
+        if not runs:
+            raise ValueError("LiveThroughput needs at least one run")
+        self.runs: dict[str, Recorder] = {str(label): as_recorder(source) for label, source in runs.items()}
+        if baseline is None:
+            baseline = "static" if "static" in self.runs else next(iter(self.runs))
+        if baseline not in self.runs:
+            raise ValueError(f"baseline {baseline!r} is not one of the runs {list(self.runs)}")
+        throughput_series([], window)  # validates window
+        if isinstance(max_points, bool) or not isinstance(max_points, int) or max_points < 2:
+            raise ValueError(f"max_points must be an int >= 2, got {max_points!r}")
+        self.window = window
+        self.baseline = baseline
+        self.max_points = max_points
+        self._throttle = Throttle(min_redraw_seconds)
+        self._listen(self.runs.values())
+
+    def __repr__(self) -> str:
+        return f"LiveThroughput({', '.join(f'{k}: {len(r.reports)} steps' for k, r in self.runs.items())})"
+
+    def series(self) -> dict[str, dict[str, list[float]]]:
+        """Each run's plotted series (see :func:`throughput_series`)."""
+        return {label: throughput_series(r.reports, self.window) for label, r in self.runs.items()}
+
+    def summary(self) -> list[RunSummary]:
+        return [summarize_run(label, recorder) for label, recorder in self.runs.items()]
+
+    def ratios(self) -> dict[str, dict[str, float]]:
+        """Each other run against the baseline: its tokens/s and its duration as multiples (0 where undefined)."""
+        by_label = {s.label: s for s in self.summary()}
+        base = by_label[self.baseline]
+        return {
+            s.label: {
+                "tokens_per_s": s.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0,
+                "duration": s.duration / base.duration if base.duration else 0.0,
+            }
+            for s in by_label.values()
+            if s.label != self.baseline
+        }
+
+    # ------------------------------------------------------------------ figure
+    def _title(self) -> str:
+        devices = sorted({r.device for r in self.runs.values()})
+        return f"Throughput on {', '.join(devices)}"
+
+    def figure(self) -> go.Figure:
+        """A static plotly figure of the runs so far: for exports, scripts and kernel-less viewers."""
+        fig = make_subplots(rows=3, cols=1, shared_xaxes=True, subplot_titles=SERIES_TITLES, vertical_spacing=0.09)
+        for index, label in enumerate(self.runs):
+            color = RUN_COLORS.get(label, PALETTE[index % len(PALETTE)])
+            for row, _ in enumerate(SERIES, start=1):
+                fig.add_trace(
+                    go.Scatter(
+                        mode="lines",
+                        name=label,
+                        legendgroup=label,
+                        showlegend=row == 1,
+                        line={"color": color, "width": 2},
+                    ),
+                    row=row,
+                    col=1,
+                )
+        fig.update_xaxes(title_text="seconds from the run's start", row=3, col=1)
+        fig.update_yaxes(rangemode="tozero")
+        fig.update_layout(
+            title={"text": self._title()},
+            height=620,
+            width=900,
+            margin={"l": 60, "r": 20, "t": 70, "b": 40},
+            plot_bgcolor="white",
+        )
+        self._fill(fig)
+        return fig
+
+    def _fill(self, fig: go.Figure) -> None:
+        traces = iter(fig.data)
+        for series in self.series().values():
+            stride = max(1, -(-len(series["time"]) // self.max_points))
+            for name in SERIES:
+                next(traces).update(x=series["time"][::stride], y=series[name][::stride])
+        fig.layout.title.text = self._title()
+
+    def summary_html(self) -> str:
+        """The summary as an HTML table, with each run's ratios to the baseline."""
+        head = ("run", "device", "steps", "finished", "tokens", "seconds", "tokens/s", "mean batch", "peak KV")
+        head += ("preempted",)
+        rows = []
+        for s in self.summary():
+            cells = (
+                s.label,
+                s.device,
+                s.steps,
+                s.finished_requests,
+                s.generated_tokens,
+                f"{s.duration:.3f}",
+                f"{s.tokens_per_s:.1f}",
+                f"{s.mean_batch_size:.1f}",
+                f"{100 * s.peak_kv_usage:.0f}%",
+                s.preemptions,
+            )
+            rows.append("<tr>" + "".join(f"<td style='padding:1px 8px'>{html.escape(str(c))}</td>" for c in cells))
+        ratios = [
+            f"<div><b>{html.escape(label)} vs {html.escape(self.baseline)}</b>: {r['tokens_per_s']:.2f}x the tokens/s,"
+            f" {r['duration']:.2f}x the time</div>"
+            for label, r in self.ratios().items()
+        ]
+        header = "".join(f"<th style='padding:1px 8px'>{h}</th>" for h in head)
+        return (
+            f"<div class='labkit-summary' style='font-size:12px'><table><tr>{header}</tr>{''.join(rows)}</table>"
+            f"{''.join(ratios)}</div>"
+        )
+
+    # ------------------------------------------------------------------ widget
+    def _build_widget(self) -> Any:
+        import ipywidgets as widgets
+
+        self._view = FigureView(self.figure())
+        self._summary = widgets.HTML(self.summary_html())
+        box = widgets.VBox([self._view.widget, self._summary])
+        box.add_class("labkit-throughput")
+        return box
+
+    def _on_report(self, report: StepReport) -> None:
+        idle = report.num_running == 0 and report.num_waiting == 0
+        if self._widget is not None and self._throttle.ready(force=idle):
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Redraw the plot and the summary from the runs' reports now."""
+        if self._widget is not None:
+            with self._view.batch_update() as fig:
+                self._fill(fig)
+            self._summary.value = self.summary_html()

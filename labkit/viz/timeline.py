@@ -1,0 +1,223 @@
+"""Timeline: one row per request, showing where its time went, for one or several runs on the same time axis.
+
+Drawn one above the other, a continuous and a static run of the same workload tell the whole story:
+under static batching short requests wait (grey) behind a batch held open by its longest member and
+keep computing padding rows (hatched) after they finish; under continuous batching they start as soon
+as a slot frees, prompts are cut into chunks (separate orange bars), and a preempted request (red)
+goes back to the queue and recomputes its prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from labkit.report import StepReport
+from labkit.viz._compat import FigureView, Throttle
+from labkit.viz._display import Displayable
+from labkit.viz.record import Recorder, as_recorder
+
+PHASE_COLORS = {
+    "waiting": "#c7c7c7",
+    "prefill": "#f58518",
+    "decode": "#4c78a8",
+    "preempted": "#e45756",
+    "padding": "#bab0ac",
+    "finished": "#222222",
+}
+PHASES = tuple(PHASE_COLORS)
+
+
+class Span(NamedTuple):
+    """Request ``request_id`` spent ``[start, end]`` (engine clock, seconds) in ``phase``.
+
+    ``num_tokens`` counts the token rows computed (a prefill chunk's size, a decode run's steps, the
+    padding rows); ``num_generated`` the tokens it produced. A ``"finished"`` span has start == end.
+    """
+
+    request_id: int
+    phase: str
+    start: float
+    end: float
+    num_tokens: int = 0
+    num_generated: int = 0
+
+
+def request_spans(source: Any) -> list[Span]:
+    """Every request's phases, from reports (and arrival times, where the recorder knows them).
+
+    A request whose arrival is unknown (a bare list of reports) is taken to have arrived when the run started.
+    """
+    recorder = as_recorder(source)
+    reports = recorder.reports
+    if not reports:
+        return []
+    origin = reports[0].start_time
+    spans: list[Span] = []
+    since: dict[int, tuple[str, float]] = {}  # waiting or preempted, since when
+    runs: dict[str, dict[int, list[Any]]] = {"decode": {}, "padding": {}}  # request id -> [start, end, tokens, step]
+
+    def close(phase: str, request_id: int) -> None:
+        run = runs[phase].pop(request_id, None)
+        if run is not None:
+            generated = run[2] if phase == "decode" else 0
+            spans.append(Span(request_id, phase, run[0], run[1], run[2], generated))
+
+    def extend(phase: str, request_id: int, report: StepReport, index: int) -> None:
+        run = runs[phase].get(request_id)
+        if run is not None and run[3] == index - 1:
+            run[1], run[3] = report.end_time, index
+            run[2] += 1
+        else:
+            close(phase, request_id)
+            runs[phase][request_id] = [report.start_time, report.end_time, 1, index]
+
+    admitted: set[int] = set()
+    for index, report in enumerate(reports):
+        admitted.update(report.admitted)
+        for request_id in report.admitted:
+            info = recorder.requests.get(request_id)
+            phase, start = since.pop(request_id, ("waiting", info.arrival_time if info else origin))
+            if report.start_time > start:
+                spans.append(Span(request_id, phase, start, report.start_time))
+        for request_id in report.preempted:
+            close("decode", request_id)
+            since[request_id] = ("preempted", report.start_time)
+        scheduled = set()
+        for work in report.scheduled:
+            scheduled.add(work.request_id)
+            generated = 0 if work.token is None else 1
+            if work.is_prefill:
+                close("decode", work.request_id)
+                spans.append(
+                    Span(work.request_id, "prefill", report.start_time, report.end_time, work.num_tokens, generated)
+                )
+            else:
+                extend("decode", work.request_id, report, index)
+        for work in report.padding:
+            if work.request_id not in scheduled:  # a finished member's dead row in a static batch
+                extend("padding", work.request_id, report, index)
+        for request_id in report.finished:
+            close("decode", request_id)
+            spans.append(Span(request_id, "finished", report.end_time, report.end_time))
+    for phase, open_runs in runs.items():
+        for request_id in list(open_runs):
+            close(phase, request_id)
+    last = reports[-1].end_time  # still queued when the recording ends
+    for request_id, info in recorder.requests.items():
+        if request_id not in admitted and info.arrival_time < last:
+            since[request_id] = ("waiting", info.arrival_time)
+    spans += [Span(rid, phase, start, last) for rid, (phase, start) in since.items() if start < last]
+    return spans
+
+
+class Timeline(Displayable):
+    """Request timelines of one run, or of several (``{"continuous": a, "static": b}``) one above the other.
+
+    Each run is an Engine (live: redrawn at most every ``min_redraw_seconds``), a Recorder, a trace path
+    or a list of StepReports. Times are seconds from each run's start, so runs on different clocks line up.
+    """
+
+    def __init__(self, runs: Any, *, min_redraw_seconds: float = 0.5) -> None:
+        if not isinstance(runs, Mapping):
+            runs = {"run": runs}
+        if not runs:
+            raise ValueError("Timeline needs at least one run")
+        self.runs: dict[str, Recorder] = {str(label): as_recorder(source) for label, source in runs.items()}
+        self._throttle = Throttle(min_redraw_seconds)
+        self._listen(self.runs.values())
+
+    def __repr__(self) -> str:
+        return f"Timeline({', '.join(f'{k}: {len(r.reports)} steps' for k, r in self.runs.items())})"
+
+    def spans(self) -> dict[str, list[Span]]:
+        """Each run's spans, on the engine's clock."""
+        return {label: request_spans(recorder) for label, recorder in self.runs.items()}
+
+    def figure(self) -> go.Figure:
+        """A static plotly figure: for exports, scripts and kernel-less viewers."""
+        labels = list(self.runs)
+        titles = [f"{label} ({self.runs[label].device})" for label in labels]
+        fig = make_subplots(rows=len(labels), cols=1, shared_xaxes=True, subplot_titles=titles, vertical_spacing=0.08)
+        for row in range(1, len(labels) + 1):
+            for phase in PHASES:
+                trace: go.Bar | go.Scatter
+                if phase == "finished":
+                    trace = go.Scatter(mode="markers", marker={"symbol": "line-ns-open", "size": 9})
+                else:
+                    trace = go.Bar(orientation="h", width=0.8, marker={"line": {"color": "white", "width": 1}})
+                    if phase == "padding":
+                        trace.marker.pattern = {"shape": "/"}
+                trace.update(name=phase, legendgroup=phase, showlegend=False, hoverinfo="text")
+                trace.marker.color = PHASE_COLORS[phase]
+                fig.add_trace(trace, row=row, col=1)
+            fig.update_yaxes(title_text="request", autorange="reversed", row=row, col=1)
+        fig.update_xaxes(title_text="seconds from the run's start", row=len(labels), col=1)
+        num_requests = max((len(r.requests) or 8 for r in self.runs.values()), default=8)
+        fig.update_layout(
+            barmode="overlay",
+            height=min(140 + len(labels) * (60 + 14 * num_requests), 1400),
+            width=900,
+            margin={"l": 60, "r": 20, "t": 40, "b": 40},
+            plot_bgcolor="white",
+        )
+        self._fill(fig)
+        return fig
+
+    def _fill(self, fig: go.Figure) -> None:
+        """Put the current spans into the figure's traces (one per run and phase, in figure() order)."""
+        traces = iter(fig.data)
+        in_legend: set[str] = set()  # each phase once, on the first trace that has any
+        for label, spans in self.spans().items():
+            origin = _origin(self.runs[label])
+            by_phase: dict[str, list[Span]] = {phase: [] for phase in PHASES}
+            for span in spans:
+                by_phase[span.phase].append(span)
+            for phase in PHASES:
+                trace = next(traces)
+                items = by_phase[phase]
+                hover = [_hover(s, origin) for s in items]
+                ys = [s.request_id for s in items]
+                trace.showlegend = bool(items) and phase not in in_legend
+                if items:
+                    in_legend.add(phase)
+                if phase == "finished":
+                    trace.update(x=[s.start - origin for s in items], y=ys, hovertext=hover)
+                else:
+                    starts = [s.start - origin for s in items]
+                    trace.update(x=[s.end - s.start for s in items], base=starts, y=ys, hovertext=hover)
+
+    def _build_widget(self) -> Any:
+        self._view = FigureView(self.figure())
+        self._view.widget.add_class("labkit-timeline")
+        return self._view.widget
+
+    def _on_report(self, report: StepReport) -> None:
+        idle = report.num_running == 0 and report.num_waiting == 0
+        if self._widget is not None and self._throttle.ready(force=idle):
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Redraw the widget from the runs' reports now."""
+        if self._widget is not None:
+            with self._view.batch_update() as fig:
+                self._fill(fig)
+
+
+def _origin(recorder: Recorder) -> float:
+    """Where a run's time axis starts: its first step or its first arrival, whichever came first."""
+    times = [r.start_time for r in recorder.reports[:1]] + [i.arrival_time for i in recorder.requests.values()]
+    return min(times, default=0.0)
+
+
+def _hover(span: Span, origin: float) -> str:
+    start, end = span.start - origin, span.end - origin
+    what = {
+        "prefill": f"prefill chunk of {span.num_tokens} tokens",
+        "decode": f"decoding {span.num_generated} tokens",
+        "padding": f"{span.num_tokens} padding rows (finished, batch still running)",
+    }.get(span.phase, span.phase)
+    return f"request {span.request_id}: {what}<br>{start:.3f}-{end:.3f} s"

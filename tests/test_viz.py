@@ -1,0 +1,443 @@
+"""labkit.viz: the widgets must show exactly what the engine did, step by step, live and in replay.
+
+Expected values come from the engine's own state (allocator block tables, reference counts, request
+counters and metrics), never from the widget code, so a wrong replay fails here.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import random
+import re
+import sys
+import types
+from pathlib import Path
+
+import plotly.graph_objects as go
+import pytest
+
+from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel, StepReport
+from labkit.viz import (
+    BlockMap,
+    LiveThroughput,
+    Recorder,
+    Timeline,
+    _compat,
+    _display,
+    record,
+    request_spans,
+    throughput_series,
+)
+from labkit.viz.blockmap import PALETTE, _colorscale
+
+ipywidgets = pytest.importorskip("ipywidgets")
+
+ROOT = Path(__file__).resolve().parents[1]
+HOVER = re.compile(r"block (\d+)<br>request (\d+)<br>(\d+)/(\d+) slots filled<br>refs (\d+)")
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def make_engine(policy: str = "continuous", *, num_blocks: int = 20, chunked: bool = True) -> Engine:
+    config = EngineConfig(
+        block_size=4,
+        num_blocks=num_blocks,
+        max_batch_tokens=32,
+        max_num_seqs=6,
+        policy=policy,
+        chunked_prefill=chunked,
+    )
+    return Engine(SimulatedModel(mean_output_len=12), config)
+
+
+def workload(seed: int = 0, n: int = 14) -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(seed)
+    return [
+        (
+            [rng.randrange(2, 1000) for _ in range(rng.randrange(3, 30))],
+            SamplingParams(max_new_tokens=rng.randrange(4, 40)),
+        )
+        for _ in range(n)
+    ]
+
+
+def run(engine: Engine, *, abort: bool = False, on_step=None, seed: int = 0) -> None:
+    """Half the requests up front, the rest after three steps; optionally abort a running request."""
+    requests = workload(seed)
+    late = requests[len(requests) // 2 :]
+    for prompt, params in requests[: len(requests) // 2]:
+        engine.add_request(prompt, params)
+    steps = 0
+    while engine.has_unfinished() or late:
+        if steps == 3:
+            for prompt, params in late:
+                engine.add_request(prompt, params)
+            late = []
+        if abort and steps == 6:
+            running = [r for r in engine.requests.values() if r.state.value in ("prefilling", "decoding")]
+            engine.abort(running[0].request_id)
+        engine.step()
+        steps += 1
+        assert steps < 1000, "the run does not finish"
+        if on_step is not None:
+            on_step()
+
+
+def allocator_cells(engine: Engine) -> list[tuple[int, int | None, int, int]]:
+    """(block, owner, filled, refs) straight from the allocator and the requests' computed tokens."""
+    alloc = engine.allocator
+    size = alloc.block_size
+    owner: dict[int, int] = {}
+    filled: dict[int, int] = {}
+    for rid, table in alloc.block_tables.items():
+        computed = engine.requests[rid].num_computed_tokens
+        for index, block in enumerate(table):
+            if block not in owner:
+                owner[block] = rid
+                filled[block] = min(max(computed - index * size, 0), size)
+    return [(b, owner.get(b), filled.get(b, 0), alloc.ref_counts[b]) for b in range(alloc.num_blocks)]
+
+
+def figure_cells(fig: go.Figure, columns: int, block_size: int) -> list[tuple[int, int | None, int, int]]:
+    """Decode the heatmap back into (block, owner, filled, refs): colour band, shade and hover text."""
+    heat = fig.data[0]
+    cells = []
+    for row, (zs, hovers) in enumerate(zip(heat.z, heat.hovertext, strict=True)):
+        for col, (z, hover) in enumerate(zip(zs, hovers, strict=True)):
+            block = row * columns + col
+            if z is None:
+                continue
+            if z < 0:
+                assert hover == f"block {block}<br>free"
+                cells.append((block, None, 0, 0))
+                continue
+            match = HOVER.fullmatch(hover)
+            assert match, hover
+            b, owner, filled, size, refs = map(int, match.groups())
+            assert (b, size) == (block, block_size)
+            assert math.floor(z) == owner % len(PALETTE)
+            assert z - math.floor(z) == pytest.approx(0.01 + 0.98 * filled / size)
+            cells.append((block, owner, filled, refs))
+    return cells
+
+
+def expected_state(engine: Engine, request) -> str:
+    if request.state.value == "finished":
+        return f"finished ({request.finish_reason})"
+    if request.state.value == "waiting" and request.metrics.num_preemptions:
+        return "preempted"
+    return request.state.value
+
+
+# ---------------------------------------------------------------------------------------------- BlockMap
+@pytest.mark.parametrize(
+    "policy, abort", [("continuous", False), ("continuous", True), ("static", False), ("static", True)]
+)
+def test_blockmap_matches_allocator_every_step_live_and_replayed(tmp_path: Path, policy: str, abort: bool) -> None:
+    engine = make_engine(policy)
+    blocks = BlockMap(engine, min_redraw_seconds=0)
+    blocks.widget  # noqa: B018 - build the live widget so every step redraws it
+    snapshots = []
+
+    def check() -> None:
+        expected = allocator_cells(engine)
+        assert [tuple(c) for c in blocks.cells()] == expected
+        assert figure_cells(blocks.figure(), blocks.columns, 4) == expected
+        assert figure_cells(blocks._view.figure, blocks.columns, 4) == expected  # the live widget redrew
+        rows = {row.request_id: row for row in blocks.rows()}
+        assert set(rows) == set(engine.requests)
+        for rid, request in engine.requests.items():
+            row = rows[rid]
+            assert row.state == expected_state(engine, request)
+            assert row.generated_tokens == len(request.output_token_ids)
+            assert row.prompt_tokens == request.num_prompt_tokens
+            assert row.preemptions == request.metrics.num_preemptions
+            assert row.num_blocks == len(engine.allocator.block_tables.get(rid, ()))
+        snapshots.append(expected)
+
+    run(engine, abort=abort, on_step=check)
+    if policy == "continuous":  # the cache is small enough that the run must have preempted
+        assert sum(r.metrics.num_preemptions for r in engine.requests.values()) > 0
+    if policy == "static":  # reservations: some owned block held no token at some step
+        assert any(owner is not None and filled == 0 for snap in snapshots for _, owner, filled, _ in snap)
+
+    path = record(engine).save(tmp_path / "run.json")
+    reports = list(record(engine).reports)
+    for source in (reports, path):
+        replay = BlockMap(source)
+        assert replay.position == 0
+        assert all(c.owner is None for c in replay.cells())
+        order = list(range(len(snapshots), 0, -1)) + random.Random(1).sample(range(1, len(snapshots) + 1), 10)
+        for position in order:  # backwards and at random: time travel
+            assert [tuple(c) for c in replay.cells(position)] == snapshots[position - 1]
+            assert figure_cells(replay.figure(position), replay.columns, 4) == snapshots[position - 1]
+
+
+def test_event_log_matches_step_reports() -> None:
+    engine = make_engine()
+    blocks = BlockMap(engine, min_redraw_seconds=0)
+    blocks.widget  # noqa: B018
+    reports: list[StepReport] = []
+    engine.step_listeners.append(reports.append)
+    run(engine, on_step=lambda: None)
+    assert any("took block" in line for r in reports for line in r.describe())
+    assert any("freed block" in line for r in reports for line in r.describe())
+    for position, report in enumerate(reports, start=1):
+        assert blocks.log(position) == report.describe()
+        blocks.show(position)
+        shown = blocks._log.value
+        for line in report.describe():
+            assert html.escape(line) in shown
+        assert f"after step {report.step}:" in blocks._view.figure.layout.title.text
+    assert blocks.log(0) == []
+
+
+def test_controls_are_linked_in_python() -> None:
+    engine = make_engine()
+    recorder = record(engine)
+    run(engine)
+    recorder.detach()  # a finished recording replays from the start
+    blocks = BlockMap(recorder)
+    assert blocks.position == 0
+    blocks.widget  # noqa: B018
+    before = blocks._view.figure.data[0].z
+    blocks._play.value = 5  # what the browser's play button does
+    assert blocks._slider.value == 5 and blocks.position == 5
+    assert blocks._view.figure.data[0].z != before
+    blocks._forward.click()
+    assert blocks._play.value == 6 and blocks.position == 6
+    blocks._back.click()
+    blocks._back.click()
+    assert blocks._play.value == 4
+    blocks._slider.value = 0
+    blocks._back.click()  # clamped at the start
+    assert blocks.position == 0
+    blocks._speed.value = 10
+    assert blocks._play.interval == 100
+
+
+def test_live_blockmap_follows_the_engine_unless_rewound() -> None:
+    engine = make_engine()
+    blocks = BlockMap(engine, min_redraw_seconds=0)
+    blocks.widget  # noqa: B018
+    for prompt, params in workload()[:4]:
+        engine.add_request(prompt, params)
+    for _ in range(3):
+        engine.step()
+    assert blocks.position == blocks._slider.max == 3
+    blocks._slider.value = 1  # the learner looks back
+    engine.step()
+    assert blocks._slider.max == 4 and blocks.position == 1
+    blocks._slider.value = 4  # back at the end: follow again
+    engine.step()
+    assert blocks.position == 5
+
+
+def test_closed_widgets_stop_following_the_engine() -> None:
+    engine = make_engine()
+    blocks, timeline, live = BlockMap(engine, min_redraw_seconds=0), Timeline(engine), LiveThroughput(engine)
+    for widget in (blocks, timeline, live):
+        widget.widget  # noqa: B018
+        widget.close()
+    assert record(engine).subscribers == []
+    run(engine)
+    assert blocks.position == 0 and blocks._widget is None
+
+
+def test_blockmap_rejects_bad_input() -> None:
+    with pytest.raises(TypeError, match="Engine, a Recorder"):
+        BlockMap(42)
+    with pytest.raises(ValueError, match="nothing to replay"):
+        BlockMap([])
+    with pytest.raises(TypeError, match="StepReport"):
+        BlockMap([{"step": 1}])
+    engine = make_engine()
+    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=3))
+    engine.step()
+    with pytest.raises(ValueError, match="attach before the engine's first step"):
+        BlockMap(engine)
+    replay = BlockMap([*record(engine).reports, engine.step()], columns=5)
+    with pytest.raises(ValueError, match="position"):
+        replay.show(3)
+    with pytest.raises(ValueError, match="speed"):
+        BlockMap(replay.recorder, speed=0)
+    with pytest.raises(ValueError, match="columns"):
+        BlockMap(replay.recorder, columns=0)
+
+
+# ---------------------------------------------------------------------------------------------- recorder
+def test_recorder_saves_metadata_and_reloads(tmp_path: Path) -> None:
+    engine = make_engine("static")
+    recorder = record(engine)
+    assert record(engine) is recorder  # one recorder per engine
+    outputs = engine.generate([p for p, _ in workload()], [s for _, s in workload()])
+    path = recorder.save(tmp_path / "trace.json")
+    loaded = Recorder.load(path)
+    assert [r.to_dict() for r in loaded.reports] == [r.to_dict() for r in recorder.reports]
+    assert loaded.meta["policy"] == "static"
+    assert loaded.meta["device"] == engine.device_name
+    assert (loaded.meta["block_size"], loaded.meta["num_blocks"]) == (4, 20)
+    assert {rid: info.prompt_tokens for rid, info in loaded.requests.items()} == {
+        o.request_id: len(o.prompt_token_ids) for o in outputs
+    }
+    assert json.loads(path.read_text())["meta"]["requests"]["0"]["max_new_tokens"] == workload()[0][1].max_new_tokens
+    recorder.detach()
+    assert recorder not in engine.step_listeners
+
+
+# ---------------------------------------------------------------------------------------------- Timeline
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_timeline_spans_match_request_metrics(policy: str) -> None:
+    engine = make_engine(policy)
+    recorder = record(engine)
+    run(engine)
+    spans = request_spans(recorder)
+    assert {s.phase for s in spans} >= {"waiting", "prefill", "decode", "finished"}
+    for rid, request in engine.requests.items():
+        m = request.metrics
+        mine = [s for s in spans if s.request_id == rid]
+        waits = [s for s in mine if s.phase == "waiting"]
+        if m.first_scheduled_time > m.arrival_time:
+            assert [(w.start, w.end) for w in waits] == [(m.arrival_time, m.first_scheduled_time)]
+        assert min(s.start for s in mine if s.phase == "prefill") == m.first_scheduled_time
+        assert [s.start for s in mine if s.phase == "finished"] == [m.finish_time]
+        assert len([s for s in mine if s.phase == "preempted"]) == m.num_preemptions
+        assert sum(s.num_generated for s in mine) == len(m.token_times) == len(request.output_token_ids)
+        for s in mine:
+            if s.phase == "prefill" and s.num_generated:
+                assert s.end in m.token_times
+            if s.phase == "decode":
+                assert sum(s.start < t <= s.end for t in m.token_times) == s.num_generated
+    if policy == "static":
+        # A member that finished early computes dead rows until the batch's last member finishes.
+        batches: dict[float, list] = {}
+        for request in engine.requests.values():
+            batches.setdefault(request.metrics.first_scheduled_time, []).append(request)
+        checked = 0
+        for members in batches.values():
+            end = max(r.metrics.finish_time for r in members)
+            for r in members:
+                steps_after = sum(
+                    r.metrics.finish_time <= rep.start_time and rep.end_time <= end for rep in recorder.reports
+                )
+                padding = sum(s.num_tokens for s in spans if s.request_id == r.request_id and s.phase == "padding")
+                assert padding == steps_after
+                checked += steps_after
+        assert checked > 0
+    else:
+        assert len([s for s in spans if s.phase == "prefill"]) > len(engine.requests)  # chunked prefill
+
+
+def test_timeline_figure_stacks_runs_on_one_axis() -> None:
+    runs = {}
+    for policy in ("continuous", "static"):
+        engine = make_engine(policy)
+        runs[policy] = record(engine)
+        run(engine)
+    timeline = Timeline(runs)
+    fig = timeline.figure()
+    assert [a.text for a in fig.layout.annotations] == ["continuous (simulated (cpu))", "static (simulated (cpu))"]
+    spans = timeline.spans()
+    phases = ("waiting", "prefill", "decode", "preempted", "padding", "finished")
+    for index, label in enumerate(runs):
+        for offset, phase in enumerate(phases):
+            trace = fig.data[index * len(phases) + offset]
+            assert trace.name == phase
+            assert len(trace.y) == len([s for s in spans[label] if s.phase == phase])
+    assert fig.data[0].xaxis == "x" and fig.data[len(phases)].xaxis == "x2"
+    assert fig.layout.xaxis2.matches is None and fig.layout.xaxis.matches == "x2"  # shared time axis
+    with pytest.raises(ValueError, match="at least one run"):
+        Timeline({})
+
+
+# ---------------------------------------------------------------------------------------------- throughput
+def test_live_throughput_updates_and_compares_runs() -> None:
+    engines = {policy: make_engine(policy, num_blocks=64) for policy in ("continuous", "static")}
+    live = LiveThroughput(engines, min_redraw_seconds=0, window=1)
+    live.widget  # noqa: B018
+    assert all(len(trace.x) == 0 for trace in live._view.figure.data)
+    outputs = {}
+    for policy, engine in engines.items():
+        prompts, params = zip(*workload(seed=3, n=24), strict=True)
+        outputs[policy] = engine.generate(list(prompts), list(params))
+    fig = live._view.figure
+    assert "simulated (cpu)" in fig.layout.title.text
+    series = live.series()
+    for index, policy in enumerate(engines):
+        reports = live.runs[policy].reports
+        assert len(fig.data[3 * index].x) == len(reports)  # the live plot gained every step
+        times = sorted(t for o in outputs[policy] for t in o.metrics.token_times)
+        for rate, report in zip(series[policy]["tokens_per_s"], reports, strict=True):
+            assert rate == pytest.approx(times.count(report.end_time) / report.duration)
+    summary = {s.label: s for s in live.summary()}
+    for policy in engines:
+        assert summary[policy].generated_tokens == sum(len(o.output_token_ids) for o in outputs[policy])
+        start = min(o.metrics.first_scheduled_time for o in outputs[policy])
+        end = max(o.metrics.finish_time for o in outputs[policy])
+        assert summary[policy].duration == pytest.approx(end - start)
+    ratio = live.ratios()["continuous"]["tokens_per_s"]
+    assert ratio == pytest.approx(summary["continuous"].tokens_per_s / summary["static"].tokens_per_s)
+    assert ratio > 1  # continuous batching wins on a mixed workload
+    assert f"{ratio:.2f}x the tokens/s" in live._summary.value
+    with pytest.raises(ValueError, match="baseline"):
+        LiveThroughput(engines, baseline="nope")
+    with pytest.raises(ValueError, match="window"):
+        throughput_series([], window=0)
+
+
+# ---------------------------------------------------------------------------------------------- display
+def test_display_falls_back_to_a_static_figure(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = make_engine()
+    blocks = BlockMap(engine)
+    run(engine)
+    bundle = blocks._repr_mimebundle_()
+    assert _compat.WIDGET_VIEW_MIMETYPE not in bundle and "plotly" in bundle["text/html"]
+
+    monkeypatch.setattr(_display, "widgets_enabled", lambda: True)
+    bundle = blocks._repr_mimebundle_()
+    assert bundle[_compat.WIDGET_VIEW_MIMETYPE]["model_id"] == blocks.widget.model_id
+    assert "plotly" in bundle["text/html"]  # what an HTML export shows without the widget state
+
+    calls = []
+    colab = types.ModuleType("google.colab")
+    colab.output = types.SimpleNamespace(enable_custom_widget_manager=lambda: calls.append(1))
+    monkeypatch.setitem(sys.modules, "google", types.ModuleType("google"))
+    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    monkeypatch.setattr(_compat, "_colab_widgets_enabled", False)
+    for widget in (Timeline(engine), LiveThroughput(engine)):
+        bundle = widget._repr_mimebundle_()
+        assert _compat.WIDGET_VIEW_MIMETYPE in bundle and "text/html" not in bundle
+    assert calls == [1]  # enabled once, before the first widget
+
+
+def test_figure_view_without_figurewidget_redraws_an_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_figurewidget(*args, **kwargs):
+        raise ImportError("FigureWidget needs anywidget")
+
+    monkeypatch.setattr(go, "FigureWidget", no_figurewidget)
+    engine = make_engine()
+    blocks = BlockMap(engine, min_redraw_seconds=0)
+    assert isinstance(blocks.widget.children[0].children[0].children[0], ipywidgets.Output)
+    run(engine)
+    assert figure_cells(blocks._view.figure, blocks.columns, 4) == allocator_cells(engine)
+
+
+def test_colorscale_separates_free_owned_empty_and_full() -> None:
+    scale = _colorscale()
+    positions = [p for p, _ in scale]
+    assert positions[0] == 0 and positions[-1] == 1 and positions == sorted(positions)
+    free, empty, full = scale[0][1], scale[2][1], scale[3][1]
+    assert len({free, empty, full}) == 3 and full == PALETTE[0]
+
+
+def test_committed_notebooks_carry_no_outputs_or_widget_state() -> None:
+    notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    assert ROOT / "notebooks" / "blockmap_demo.ipynb" in notebooks
+    for path in notebooks:
+        nb = json.loads(path.read_text())
+        assert "widgets" not in nb.get("metadata", {}), f"{path.name}: metadata.widgets must be stripped"
+        for cell in nb["cells"]:
+            for output in cell.get("outputs", []):
+                assert _compat.WIDGET_VIEW_MIMETYPE not in output.get("data", {}), f"{path.name}: widget output"
+        assert path.stat().st_size < 200_000, f"{path.name} is {path.stat().st_size} bytes"

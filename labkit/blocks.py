@@ -71,10 +71,12 @@ class BlockAllocator:
         if needed > len(self.free_blocks):
             raise NoFreeBlocksError(f"request {request_id!r} needs {needed} blocks, only {len(self.free_blocks)} free")
         table = self.block_tables.setdefault(request_id, [])
-        new_blocks = [self.free_blocks.popleft() for _ in range(needed)]
-        for block in new_blocks:
+        new_blocks = []
+        for _ in range(needed):
+            block = self.free_blocks.popleft()
             self.ref_counts[block] = 1
             self.events.append(BlockEvent("alloc", block, request_id, self.step))
+            new_blocks.append(block)
         table.extend(new_blocks)
         self.num_slots[request_id] = max(self.num_slots.get(request_id, 0), num_tokens)
         return new_blocks

@@ -173,7 +173,8 @@ class Scheduler:
                 i += 1  # does not fit whole: wait for a step with more room
                 continue
             end = request.num_computed_tokens + num_tokens
-            while allocator.blocks_needed(request.request_id, end) > allocator.num_free_blocks:
+            needed = allocator.blocks_needed(request.request_id, end)  # usually 0: decodes fill the last block
+            while needed > allocator.num_free_blocks:
                 victim = self.running.pop()  # most recently admitted
                 self._preempt(victim)
                 output.preempted.append(victim)

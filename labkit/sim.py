@@ -74,12 +74,12 @@ class SimulatedModel:
     def next_token(self, request: Request) -> int:
         """The token this model generates after ``request``'s current tokens."""
         prompt = request.prompt_token_ids
-        key = _mix(self.seed, len(prompt), prompt[0], prompt[-1])
+        h = _mix(self.seed, len(prompt), prompt[0], prompt[-1], request.num_tokens)
         # Geometric output length with the given mean: P(EOS at each token) = 1 / mean.
         mean = self.mean_output_len
-        if mean is not None and _mix(key, len(request.output_token_ids), 7) % 1_000_003 < 1_000_003 / mean:
+        if mean is not None and h % 1_000_003 < 1_000_003 / mean:
             return self.eos_token_id
-        return 2 + _mix(key, request.num_tokens) % (self.vocab_size - 2)
+        return 2 + (h >> 32) % (self.vocab_size - 2)  # the high bits, independent of the EOS draw
 
 
 class SimRunner:

@@ -4,7 +4,8 @@ The cache is ``num_blocks`` blocks of ``block_size`` token slots. A request owns
 blocks, its *block table*; token ``i`` of the request lives in slot
 ``block_table[i // block_size] * block_size + i % block_size``. Blocks need not be contiguous, so a
 request grows one block at a time and nothing is reserved for tokens it may never generate.
-Reference counts let several requests share a block (forks, and later prefix caching).
+Each block carries a reference count and returns to the free queue only when it drops to zero: the
+hook that lets requests share the full blocks of a common prompt prefix (prefix caching).
 """
 
 from __future__ import annotations
@@ -88,18 +89,6 @@ class BlockAllocator:
         index = self.num_slots[request_id]
         self.allocate(request_id, index + 1)
         return self.slot(request_id, index)
-
-    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """Let ``child_id`` share all of ``parent_id``'s blocks (each gains a reference)."""
-        if parent_id not in self.block_tables:
-            raise KeyError(f"request {parent_id!r} owns no blocks")
-        if child_id in self.block_tables:
-            raise ValueError(f"request {child_id!r} already owns blocks")
-        table = list(self.block_tables[parent_id])
-        for block in table:
-            self.ref_counts[block] += 1
-        self.block_tables[child_id] = table
-        self.num_slots[child_id] = self.num_slots[parent_id]
 
     def free(self, request_id: Hashable) -> list[int]:
         """Drop ``request_id``'s references; blocks nobody references go back to the free queue.

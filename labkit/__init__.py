@@ -6,6 +6,7 @@ transformers are imported only when a real model runs, so ``import labkit`` stay
 
 from labkit.config import EngineConfig
 from labkit.engine import Engine
+from labkit.hf import GenerationResult, generate_batch
 from labkit.report import StepReport, load_trace, save_trace
 from labkit.request import RequestOutput, SamplingParams
 from labkit.sim import CostModel, SimulatedModel
@@ -14,10 +15,12 @@ __all__ = [
     "CostModel",
     "Engine",
     "EngineConfig",
+    "GenerationResult",
     "RequestOutput",
     "SamplingParams",
     "SimulatedModel",
     "StepReport",
+    "generate_batch",
     "load_trace",
     "save_trace",
 ]

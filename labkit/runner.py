@@ -1,0 +1,210 @@
+"""The torch side of the engine: run a transformers causal LM on one packed step over a paged KV cache.
+
+Each step the scheduler hands over chunks (runs of tokens of one request). The runner concatenates them
+into a single row with no padding, gives every token its true position, runs the model once, and
+projects only the rows that produce a token through the LM head. Keys and values go to the blocks the
+allocator chose; attention reads them back from there (labkit.attention).
+
+Threads: the runner never changes torch's thread settings; it uses whatever ``torch.set_num_threads``
+the caller chose (benchmarks pin it to 1).
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from typing import Any
+
+import torch
+
+from labkit.attention import PagedBatch, PagedKVCache, Segment, build_paged_batch, use_paged_attention
+from labkit.blocks import BlockAllocator
+from labkit.config import EngineConfig
+from labkit.sampling import Sampler
+from labkit.scheduler import SchedulerOutput
+
+# num_blocks=None on CPU: a fixed KV-cache budget, small next to any machine's RAM.
+CPU_CACHE_BYTES = 256 * 2**20
+# num_blocks=None on CUDA: this fraction of the memory left free after the weights and a warm-up step.
+CUDA_MEMORY_FRACTION = 0.9
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    """Owns a transformers model and its paged KV cache, and turns a SchedulerOutput into sampled tokens.
+
+    The model is moved to the configured device and dtype in place (``nn.Module.to``). Its attention is
+    switched to labkit's paged attention only while a step runs, so ``model.generate`` still works.
+    """
+
+    def __init__(self, model: Any, config: EngineConfig) -> None:
+        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+            raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+        self.config = config
+        self.device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype)
+        self.model = model.to(device=self.device, dtype=dtype).eval()
+        self.dtype = next(model.parameters()).dtype
+        text = model.config.get_text_config()
+        self.num_layers = text.num_hidden_layers
+        self.num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.max_model_len = text.max_position_embeddings
+        self.eos_token_ids = _eos_token_ids(model)
+        self.pad_token_id = text.pad_token_id if text.pad_token_id is not None else 0
+        self.device_name = device_name(self.device)
+        self.sampler = Sampler()
+        self.cache: PagedKVCache | None = None
+
+    def clock(self) -> float:
+        return time.perf_counter()
+
+    def init_cache(self, block_size: int, num_blocks: int | None) -> int:
+        """Allocate the KV cache; ``num_blocks=None`` sizes it from memory (CPU_CACHE_BYTES, CUDA_MEMORY_FRACTION)."""
+        if num_blocks is None:
+            num_blocks = self._blocks_from_memory(block_size)
+        self.cache = self._new_cache(num_blocks, block_size)
+        return num_blocks
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput, allocator: BlockAllocator) -> list[int]:
+        """Run the model once on the step's packed tokens; return one token per sampling chunk, in order."""
+        if self.cache is None:
+            raise RuntimeError("init_cache must be called before execute")
+        tables = allocator.block_tables
+        token_ids: list[int] = []
+        segments = []
+        sample_rows, sampling_requests = [], []
+        for chunk in output.chunks:
+            request = chunk.request
+            token_ids += request.tokens(chunk.start, chunk.start + chunk.num_tokens)
+            segments.append(Segment(chunk.start, chunk.num_tokens, tables[request.request_id]))
+            if chunk.samples:
+                sample_rows.append(len(token_ids) - 1)
+                sampling_requests.append(request)
+        for chunk in output.padding:  # computed like real rows, written to scratch, thrown away
+            token_ids += [self.pad_token_id] * chunk.num_tokens
+            segments.append(Segment(chunk.start, chunk.num_tokens, tables[chunk.request.request_id], False))
+
+        batch = build_paged_batch(self.cache, segments, self.device)
+        logits = self._forward(token_ids, batch, sample_rows)
+        params = [r.params for r in sampling_requests]
+        return self.sampler(logits, params, [len(r.output_token_ids) for r in sampling_requests])
+
+    # ------------------------------------------------------------------ helpers
+    def _forward(self, token_ids: list[int], batch: PagedBatch, sample_rows: list[int]) -> torch.Tensor:
+        """Logits (len(sample_rows), vocab) for the packed tokens' rows ``sample_rows``."""
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        with use_paged_attention(self.model):
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=batch.position_ids[None],
+                paged_batch=batch,
+                logits_to_keep=keep,
+                use_cache=False,
+            )
+        return out.logits[0]
+
+    def _new_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        return PagedKVCache(
+            self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
+        )
+
+    def _blocks_from_memory(self, block_size: int) -> int:
+        per_block = PagedKVCache.bytes_per_block(
+            self.num_layers, block_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
+        if self.device.type != "cuda":
+            return max(1, CPU_CACHE_BYTES // per_block)
+        activations = self._warm_up(block_size)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        # Attention copies one layer's share of the blocks it reads: at most every running request's
+        # longest possible context, padded. Keep room for that copy next to the cache.
+        gathered_blocks = self.config.max_num_seqs * -(-self.max_model_len // block_size)
+        workspace = gathered_blocks * per_block // self.num_layers
+        return max(1, int(CUDA_MEMORY_FRACTION * (free - activations) - workspace) // per_block)
+
+    @torch.inference_mode()
+    def _warm_up(self, block_size: int) -> int:
+        """Run one full-size step on a throwaway cache; return the peak memory it needed beyond that cache."""
+        num_tokens = min(self.config.max_batch_tokens, self.max_model_len)
+        num_rows = min(self.config.max_num_seqs, num_tokens)
+        num_blocks = -(-num_tokens // block_size)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        baseline = torch.cuda.memory_allocated(self.device)
+        cache = self._new_cache(num_blocks, block_size)
+        batch = build_paged_batch(cache, [Segment(0, num_tokens, range(num_blocks))], self.device)
+        logits = self._forward([self.pad_token_id] * num_tokens, batch, list(range(num_rows)))
+        logits.softmax(dim=-1).sort(dim=-1)  # the sampler's largest temporaries
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - baseline - cache.data.nbytes
+        del cache, batch, logits
+        torch.cuda.empty_cache()
+        return peak
+
+
+def resolve_device(device: Any) -> torch.device:
+    """``"auto"`` is CUDA when present, else CPU; anything else must name a device torch can use."""
+    if isinstance(device, torch.device):
+        resolved = device
+    elif isinstance(device, str):
+        if device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            resolved = torch.device(device)
+        except RuntimeError as error:
+            raise ValueError(f"device {device!r} is not a valid torch device: {error}") from None
+    else:
+        raise TypeError(f"device must be a string or torch.device, got {type(device).__name__}")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {str(resolved)!r}")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but torch sees no CUDA device")
+    return resolved
+
+
+def resolve_dtype(dtype: Any) -> torch.dtype | None:
+    """None keeps the model's dtype; otherwise float32, bfloat16 or float16, as a torch.dtype or its name."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+        return DTYPES[dtype]
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or a string, got {type(dtype).__name__}")
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype}")
+    return dtype
+
+
+def _eos_token_ids(model: Any) -> frozenset[int]:
+    generation_config = getattr(model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = model.config.get_text_config().eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def device_name(device: torch.device) -> str:
+    """What runs the model, in words: the GPU's name, or "cpu (<CPU model>)"."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({_cpu_model()})"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"

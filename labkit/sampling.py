@@ -1,0 +1,88 @@
+"""Pick each request's next token from its logits: greedy, temperature, top-k, top-p, reproducible seeds.
+
+Seeded sampling is stateless: the random number behind a request's ``n``-th generated token is a hash of
+``(seed, n)``, so it does not depend on which other requests share the batch, nor on how often the
+request was preempted and recomputed. (A stateful per-request generator would drift as soon as a
+recomputation or a batch change made it draw a different number of times.) The number is turned into a
+token by inverse-CDF sampling over the filtered distribution, one row per request, all rows at once.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import torch
+
+from labkit.request import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def seeded_uniform(seed: int, index: int) -> float:
+    """A uniform number in [0, 1) that depends only on ``(seed, index)`` (splitmix64 mixing)."""
+    h = 0x9E3779B97F4A7C15
+    for v in (seed, index):
+        h = ((h ^ (v & _MASK64)) * 0xBF58476D1CE4E5B9) & _MASK64
+        h ^= h >> 31
+        h = (h * 0x94D049BB133111EB) & _MASK64
+        h ^= h >> 29
+    return (h >> 11) / float(1 << 53)
+
+
+class Sampler:
+    """Samples one token per logits row; requests without a seed draw from this sampler's own RNG."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.rng = random.Random(seed)
+
+    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams], indices: Sequence[int]) -> list[int]:
+        """``logits`` is (rows, vocab); ``indices[i]`` is the output index of the token row ``i`` produces."""
+        if len(params) != logits.shape[0] or len(indices) != logits.shape[0]:
+            raise ValueError(f"got {logits.shape[0]} logits rows, {len(params)} params and {len(indices)} indices")
+        greedy = logits.argmax(dim=-1)
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not sampled_rows:
+            return greedy.tolist()
+        chosen = [params[i] for i in sampled_rows]
+        uniforms = [
+            seeded_uniform(p.seed, indices[i]) if p.seed is not None else self.rng.random()
+            for i, p in zip(sampled_rows, chosen, strict=True)
+        ]
+        rows = torch.tensor(sampled_rows, device=logits.device)
+        tokens = sample_rows(
+            logits[rows].float(),
+            temperature=torch.tensor([p.temperature for p in chosen], device=logits.device),
+            top_k=torch.tensor([p.top_k for p in chosen], device=logits.device),
+            top_p=torch.tensor([p.top_p for p in chosen], device=logits.device),
+            uniform=torch.tensor(uniforms, dtype=torch.float64, device=logits.device),
+        )
+        greedy[rows] = tokens
+        return greedy.tolist()
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    uniform: torch.Tensor,
+) -> torch.Tensor:
+    """Draw one token per row: scale by temperature, keep the top-k, then the top-p nucleus, then invert the CDF.
+
+    ``top_k == 0`` and ``top_p == 1`` switch the filters off; ``uniform`` holds one number in [0, 1) per row.
+    """
+    vocab = logits.shape[-1]
+    scaled = logits / temperature[:, None]
+    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=logits.device)
+    keep_k = torch.where(top_k > 0, top_k, vocab)
+    sorted_logits = sorted_logits.masked_fill(rank >= keep_k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Nucleus: keep the smallest prefix whose mass reaches top_p (the most likely token always stays).
+    mass_before = probs.cumsum(dim=-1) - probs
+    probs = probs.masked_fill(mass_before >= top_p[:, None], 0.0)
+    cdf = probs.double().cumsum(dim=-1)
+    target = (uniform * cdf[:, -1])[:, None]
+    index = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)
+    return sorted_ids.gather(1, index).squeeze(1)

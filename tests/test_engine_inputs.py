@@ -1,0 +1,269 @@
+"""The engine with a real model: bad input refused at add_request, no block lost, and how a step really runs.
+
+Threads: torch runs on 1 thread.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+
+from labkit import Engine, EngineConfig, SamplingParams
+from labkit.attention import ATTENTION_NAME
+from labkit.baselines import padded_generate, transformers_continuous
+from labkit.hf import generate_batch
+from labkit.runner import CPU_CACHE_BYTES
+
+torch.set_num_threads(1)
+
+GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("llama", max_position_embeddings=128)
+
+
+def reference(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+BAD_REQUESTS = [
+    ([], GREEDY, ValueError, "prompt is empty"),
+    ([5, 1024], GREEDY, ValueError, "outside the vocabulary"),
+    ([-1, 5], GREEDY, ValueError, "outside the vocabulary"),
+    ([5, 2.0], GREEDY, TypeError, "must be ints"),
+    ([5, True], GREEDY, TypeError, "must be ints"),
+    ("hello", GREEDY, TypeError, "no tokenizer"),
+    (5, GREEDY, TypeError, "prompt must be"),
+    ([5] * 129, GREEDY, ValueError, "maximum length"),
+    ([5] * 120, SamplingParams(max_new_tokens=20), ValueError, "maximum length"),
+    ([5] * 100, GREEDY, ValueError, "whole KV cache"),
+    ([5, 6], {"max_new_tokens": 3}, TypeError, "SamplingParams"),
+]
+
+
+def test_bad_requests_are_refused_and_the_others_keep_running(model):
+    engine = Engine(model, EngineConfig(block_size=8, num_blocks=12))  # 96 slots
+    prompts = [[7, 8, 9, 10, 11], [12, 13, 14]]
+    good = [engine.add_request(p, GREEDY) for p in prompts]
+    engine.step()
+    for prompt, params, error, message in BAD_REQUESTS:
+        with pytest.raises(error, match=message):
+            engine.add_request(prompt, params)
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.output(r).output_token_ids for r in good] == [reference(model, p, 6) for p in prompts]
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "message"),
+    [
+        ({"temperature": -1.0}, ValueError, "temperature"),
+        ({"temperature": float("nan")}, ValueError, "temperature"),
+        ({"top_p": 0.0}, ValueError, "top_p"),
+        ({"top_p": 1.5}, ValueError, "top_p"),
+        ({"top_k": -1}, ValueError, "top_k"),
+        ({"max_new_tokens": 0}, ValueError, "max_new_tokens"),
+        ({"max_new_tokens": 2.5}, TypeError, "max_new_tokens"),
+        ({"seed": "7"}, TypeError, "seed"),
+        ({"stop_token_ids": [1.5]}, TypeError, "stop_token_ids"),
+        ({"temperature": "hot"}, TypeError, "temperature"),
+    ],
+)
+def test_invalid_sampling_values_name_the_field(fields, error, message):
+    with pytest.raises(error, match=message):
+        SamplingParams(**fields)
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_aborts_and_preemptions_give_every_block_back(model, policy):
+    engine = Engine(
+        model, EngineConfig(block_size=4, num_blocks=30, max_batch_tokens=64, max_num_seqs=4, policy=policy)
+    )
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    ids = [engine.add_request([3 + i] * (10 + 3 * i), params) for i in range(6)]
+    preempted = []
+    engine.step_listeners.append(lambda report: preempted.extend(report.preempted))
+    for _ in range(3):
+        engine.step()
+    engine.abort(ids[0])  # running
+    engine.abort(ids[5])  # still waiting
+    with pytest.raises(KeyError):
+        engine.abort(ids[0])
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.output(ids[0]).finish_reason == "abort"
+    assert [engine.output(i).finish_reason for i in ids[1:5]] == ["length"] * 4
+    assert engine.num_free_blocks == engine.num_blocks
+    if policy == "continuous":
+        assert preempted
+
+
+def test_engine_config_device_and_dtype_are_checked(model):
+    for device, error in (("tpu", ValueError), ("cuda:x", ValueError), (3, TypeError)):
+        with pytest.raises(error, match="device"):
+            Engine(model, EngineConfig(device=device, num_blocks=4))
+    for dtype, error in (("int8", ValueError), (torch.int8, ValueError), (16, TypeError)):
+        with pytest.raises(error, match="dtype"):
+            Engine(model, EngineConfig(dtype=dtype, num_blocks=4))
+    with pytest.raises(TypeError, match="model"):
+        Engine(object(), EngineConfig(num_blocks=4))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            Engine(model, EngineConfig(device="cuda", num_blocks=4))
+
+
+def test_runner_reports_what_the_engine_needs(model):
+    engine = Engine(model, EngineConfig(num_blocks=4))
+    runner = engine.runner
+    assert runner.vocab_size == 1024 and runner.max_model_len == 128
+    assert runner.eos_token_ids == frozenset({2})
+    expected_device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert runner.device.type == expected_device
+    if expected_device == "cpu":
+        assert engine.device_name.startswith("cpu (")
+
+
+def test_num_blocks_none_uses_the_documented_cpu_budget(model):
+    engine = Engine(model, EngineConfig(block_size=16, device="cpu"))
+    # 2 layers x (K, V) x 16 tokens x 2 KV heads x 16 dims x 4 bytes
+    assert engine.num_blocks == CPU_CACHE_BYTES // (2 * 2 * 16 * 2 * 16 * 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, "float16"])
+def test_half_precision_runs(tiny_model, dtype):
+    model = tiny_model("qwen3")
+    engine = Engine(model, EngineConfig(block_size=8, num_blocks=16, device="cpu", dtype=dtype))
+    out = engine.generate([[5, 6, 7, 8, 9]], GREEDY)[0]
+    assert next(model.parameters()).dtype == (torch.float16 if dtype == "float16" else dtype)
+    assert engine.runner.cache.data.dtype == next(model.parameters()).dtype
+    assert len(out.output_token_ids) == 6
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_each_step_is_one_packed_forward_with_logits_only_for_sampled_rows(model):
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_batch_tokens=16, max_num_seqs=4))
+    calls = []
+    hooks = [
+        model.register_forward_hook(lambda _, args, kwargs, __: calls.append(("model", kwargs)), with_kwargs=True),
+        model.lm_head.register_forward_hook(lambda _, args, __: calls.append(("lm_head", args[0].shape))),
+    ]
+    try:
+        for prompt in ([4] * 10, [5] * 3, [6] * 7):
+            engine.add_request(prompt, GREEDY)
+        while engine.has_unfinished():
+            calls.clear()
+            report = engine.step()
+            forward = [c for kind, c in calls if kind == "model"]
+            assert len(forward) == 1  # the whole step is one forward pass
+            input_ids, positions = forward[0]["input_ids"], forward[0]["position_ids"]
+            assert input_ids.shape == (1, sum(w.num_tokens for w in report.scheduled))  # packed, no padding
+            expected = [w.start + i for w in report.scheduled for i in range(w.num_tokens)]
+            assert positions[0].tolist() == expected
+            lm_head_rows = [shape[1] for kind, shape in calls if kind == "lm_head"]
+            assert lm_head_rows == [report.num_generated_tokens]
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def test_static_policy_computes_its_padding_rows(model):
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=64, policy="static", max_num_seqs=2))
+    seen = []
+
+    def record(module, args, kwargs, output):
+        seen.append(kwargs["input_ids"].shape[1])
+
+    hook = model.register_forward_hook(record, with_kwargs=True)
+    try:
+        prompts = [[4] * 9, [5] * 3]
+        params = [SamplingParams(max_new_tokens=2, ignore_eos=True), SamplingParams(max_new_tokens=5, ignore_eos=True)]
+        outputs = engine.generate(prompts, params)
+    finally:
+        hook.remove()
+    # Prefill: 9 + 3 tokens and 6 padding rows; then 2 rows per step, the finished member's included.
+    assert seen == [18, 2, 2, 2, 2]
+    assert [o.output_token_ids for o in outputs] == [
+        reference(model, p, n) for p, n in zip(prompts, (2, 5), strict=True)
+    ]
+
+
+def test_attention_reads_keys_and_values_from_the_blocks(model):
+    prompts = [[9, 8, 7, 6, 5, 4, 3], [10, 11, 12, 13]]
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=16))
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in prompts]
+    engine.step()  # both prompts are now in the cache
+    blocks = engine.allocator.block_tables[ids[0]]
+    engine.runner.cache.data[:, :, :, blocks] = 0.0  # wipe request 0's keys and values
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.output(ids[0]).output_token_ids[1:] != reference(model, prompts[0], 8)[1:]
+    assert engine.output(ids[1]).output_token_ids == reference(model, prompts[1], 8)
+
+
+def test_the_model_is_left_as_it_was(model):
+    threads = torch.get_num_threads()
+    Engine(model, EngineConfig(num_blocks=8)).generate([[5, 6, 7]], GREEDY)
+    assert model.config._attn_implementation == "sdpa" != ATTENTION_NAME
+    assert torch.get_num_threads() == threads
+    assert len(reference(model, [5, 6, 7], 3)) == 3  # plain generate still works
+
+
+def test_generate_batch_mirrors_transformers(model):
+    inputs = [[5, 6, 7, 8], [9, 10, 11] * 5, [42]]
+    config = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=-1, num_blocks=32, block_size=8)
+    results = generate_batch(model, inputs=inputs, generation_config=config)
+    assert list(results) == ["req_0", "req_1", "req_2"]
+    for i, prompt in enumerate(inputs):
+        result = results[f"req_{i}"]
+        assert result.request_id == f"req_{i}" and result.prompt_ids == prompt and result.is_finished()
+        assert result.generated_tokens == reference(model, prompt, 5)
+    assert generate_batch(model, [], config) == {}
+
+
+def test_generate_batch_honours_the_batching_knobs(model):
+    tiny_cache = GenerationConfig(max_new_tokens=4, num_blocks=1, block_size=4)
+    with pytest.raises(ValueError, match=r"whole KV cache holds 4 \(1 blocks x 4\)"):
+        generate_batch(model, [[5] * 10], tiny_cache)
+    batching = ContinuousBatchingConfig(num_blocks=2, page_size=4, max_batch_tokens=8)
+    with pytest.raises(ValueError, match="whole KV cache holds 8"):
+        generate_batch(model, [[5] * 10], GenerationConfig(max_new_tokens=4), continuous_batching_config=batching)
+    small_budget = GenerationConfig(max_new_tokens=4, max_batch_tokens=8)
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        generate_batch(model, [[5] * 10], small_budget, policy="static")
+    with pytest.raises(TypeError, match="unknown engine options"):
+        generate_batch(model, [[5]], GenerationConfig(max_new_tokens=4), colour="blue")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate_batch(model, [[5]], GenerationConfig())
+
+
+def test_generate_batch_sampling_and_eos_come_from_the_generation_config(model):
+    prompt = [5, 6, 7, 8]
+    greedy = reference(model, prompt, 6)
+    stop_at = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=greedy[2])
+    assert generate_batch(model, [prompt], stop_at)["req_0"].generated_tokens == greedy[:3]
+    sampled = GenerationConfig(max_new_tokens=6, do_sample=True, temperature=1.5, top_k=0, top_p=1.0, eos_token_id=-1)
+    runs = [generate_batch(model, [prompt] * 4, sampled) for _ in range(2)]
+    tokens = [r.generated_tokens for run in runs for r in run.values()]
+    assert len({tuple(t) for t in tokens}) > 1  # do_sample draws, greedy would repeat itself
+
+
+def test_baselines_generate_what_the_engine_generates(model):
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12] * 9]
+    wanted = [3, 6, 4]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in wanted]
+    labkit = [o.output_token_ids for o in Engine(model, EngineConfig(num_blocks=16)).generate(prompts, params)]
+    assert labkit == [reference(model, p, n) for p, n in zip(prompts, wanted, strict=True)]
+    assert padded_generate(model, prompts, wanted, batch_size=2) == labkit
+    assert transformers_continuous(model, prompts, wanted, block_size=8, num_blocks=16) == labkit
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        padded_generate(model, prompts, wanted[:2])

@@ -1,0 +1,136 @@
+"""The sampler: filters checked against hand-computed distributions, and seeds that survive batching and preemption.
+
+Threads: torch runs on 1 thread.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from labkit import Engine, EngineConfig, SamplingParams
+from labkit.sampling import Sampler, sample_rows, seeded_uniform
+
+torch.set_num_threads(1)
+
+
+def draw(logits: list[float], uniform: float, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> int:
+    return sample_rows(
+        torch.tensor([logits]),
+        temperature=torch.tensor([temperature]),
+        top_k=torch.tensor([top_k]),
+        top_p=torch.tensor([top_p]),
+        uniform=torch.tensor([uniform], dtype=torch.float64),
+    ).item()
+
+
+def expected_token(logits: list[float], uniform: float, temperature: float, top_k: int, top_p: float) -> int:
+    """Reference inverse-CDF sampling in plain Python: temperature, then top-k, then the top-p nucleus."""
+    order = sorted(range(len(logits)), key=lambda i: -logits[i])
+    if top_k:
+        order = order[:top_k]
+    weights = [math.exp((logits[i] - logits[order[0]]) / temperature) for i in order]
+    probs = [w / sum(weights) for w in weights]
+    kept, mass = [], 0.0
+    for token, p in zip(order, probs, strict=True):
+        if mass >= top_p:
+            break
+        kept.append((token, p))
+        mass += p
+    target, acc = uniform * sum(p for _, p in kept), 0.0
+    for token, p in kept:
+        acc += p
+        if acc > target:
+            return token
+    return kept[-1][0]
+
+
+def test_seeded_uniform_depends_only_on_seed_and_index():
+    values = [seeded_uniform(7, i) for i in range(2000)]
+    assert values == [seeded_uniform(7, i) for i in range(2000)]
+    assert all(0.0 <= v < 1.0 for v in values)
+    assert abs(sum(values) / len(values) - 0.5) < 0.03  # roughly uniform
+    assert len(set(values)) == len(values)
+    assert seeded_uniform(8, 0) != seeded_uniform(7, 0)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(1.0, 0, 1.0), (0.5, 0, 1.0), (2.0, 3, 1.0), (1.0, 0, 0.6), (0.7, 4, 0.8), (1.3, 1, 1.0)],
+)
+def test_filters_match_a_hand_computed_distribution(temperature, top_k, top_p):
+    logits = [0.1, 2.0, -1.0, 1.5, 0.3, 1.9, -0.5, 0.0]
+    rng = random.Random(0)
+    for _ in range(50):
+        u = rng.random()
+        assert draw(logits, u, temperature, top_k, top_p) == expected_token(logits, u, temperature, top_k, top_p)
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = [3.0, 2.5, 2.0, 0.0, -1.0, -2.0]
+    grid = [i / 1000 for i in range(1000)]
+    assert {draw(logits, u, top_k=2) for u in grid} == {0, 1}
+    # Softmax mass: token 0 has 0.49, tokens 0-1 0.78, so top_p=0.7 keeps exactly tokens 0 and 1; token 5 has 0.003.
+    assert {draw(logits, u, top_p=0.7) for u in grid} == {0, 1}
+    assert {draw(logits, u, top_p=1e-6) for u in grid} == {0}
+    assert {draw(logits, u) for u in grid} == set(range(6))
+
+
+def test_sampler_mixes_greedy_and_sampled_rows():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [4.0, 0.0, 3.9], [0.0, 0.0, 9.0]])
+    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=1.0, top_k=1)]
+    tokens = Sampler()(logits, params, [0, 5, 2])
+    assert tokens[0] == 1 and tokens[2] == 2
+    assert tokens[1] == expected_token([4.0, 0.0, 3.9], seeded_uniform(3, 5), 1.0, 0, 1.0)
+    with pytest.raises(ValueError, match="logits rows"):
+        Sampler()(logits, params[:2], [0, 1])
+
+
+SEEDED = SamplingParams(max_new_tokens=24, temperature=0.9, top_k=50, top_p=0.95, seed=1234, ignore_eos=True)
+
+
+def others(rng: random.Random, vocab: int, count: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 60))] for _ in range(count)]
+    params = [
+        SamplingParams(max_new_tokens=rng.randint(1, 30), temperature=rng.choice([0.0, 0.7, 1.2]), seed=s, top_k=5)
+        for s in (rng.choice([None, rng.randrange(100)]) for _ in range(count))
+    ]
+    return prompts, params
+
+
+def test_seeded_request_gives_the_same_tokens_alone_in_a_batch_and_after_preemption(tiny_model):
+    model = tiny_model("llama")
+    rng = random.Random(0)
+    prompt = [rng.randrange(3, model.config.vocab_size) for _ in range(37)]
+    alone = Engine(model, EngineConfig(block_size=8, num_blocks=64)).generate([prompt], SEEDED)[0].output_token_ids
+    assert len(alone) == 24
+
+    prompts, params = others(rng, model.config.vocab_size, 31)
+    prompts.insert(13, prompt)
+    params.insert(13, SEEDED)
+    batched = Engine(model, EngineConfig(block_size=8, num_blocks=400, max_num_seqs=32)).generate(prompts, params)
+    assert batched[13].output_token_ids == alone
+
+    tight = Engine(model, EngineConfig(block_size=8, num_blocks=24, max_batch_tokens=64, max_num_seqs=32))
+    preempted = []
+    tight.step_listeners.append(lambda report: preempted.extend(report.preempted))
+    after_preemption = tight.generate(prompts, params)
+    assert preempted, "the cache was meant to be too small to run everything at once"
+    assert after_preemption[13].output_token_ids == alone
+    assert tight.num_free_blocks == tight.num_blocks
+
+    other_seed = SamplingParams(**{**vars(SEEDED), "seed": 99})
+    reseeded = Engine(model, EngineConfig(block_size=8, num_blocks=64)).generate([prompt], other_seed)[0]
+    assert reseeded.output_token_ids != alone
+
+
+def test_unseeded_sampling_varies_and_stays_in_the_vocabulary(tiny_model):
+    model = tiny_model("qwen2")
+    engine = Engine(model, EngineConfig(block_size=8, num_blocks=64))
+    params = SamplingParams(max_new_tokens=16, temperature=1.5, ignore_eos=True)
+    first, second = (engine.generate([[5, 6, 7]], params)[0].output_token_ids for _ in range(2))
+    assert first != second
+    assert all(0 <= t < model.config.vocab_size for t in first + second)

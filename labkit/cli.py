@@ -6,6 +6,8 @@ import argparse
 import random
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -13,6 +15,7 @@ from rich.table import Table
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel
 from labkit.bench import main as bench_main
 from labkit.report import StepReport
+from labkit.request import RequestOutput
 
 USAGE = """usage: labkit {demo,bench} [options]
 
@@ -22,21 +25,53 @@ USAGE = """usage: labkit {demo,bench} [options]
 Run `labkit demo --help` or `labkit bench --help` for the options."""
 
 
-def demo_prompts(count: int, vocab_size: int, seed: int) -> tuple[list[list[int]], list[int]]:
-    """Random prompts and a long tail of output lengths: most requests short, one in four long."""
+# Speakers of the bundled model's corpus: each prompt asks for one speech, which ends by itself (EOS).
+SPEAKERS = (
+    "ROMEO:", "JULIET:", "First Citizen:", "KING RICHARD III:", "MENENIUS:", "LADY ANNE:",
+    "GLOUCESTER:", "Nurse:", "BRUTUS:", "HASTINGS:", "QUEEN ELIZABETH:", "MERCUTIO:",
+)  # fmt: skip
+
+
+@dataclass
+class DemoSetup:
+    """The model and the requests the demo serves, once per policy."""
+
+    model: Any
+    tokenizer: Any
+    prompts: list[Any]
+    params: list[SamplingParams]
+    config: EngineConfig
+    clock: str  # what the times in the summary are
+
+
+def simulated_setup(requests: int, seed: int) -> DemoSetup:
+    """Random prompts and a long tail of output lengths on the simulated model: one request in four is long."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(2, vocab_size) for _ in range(rng.randint(4, 24))] for _ in range(count)]
-    lengths = [rng.randint(24, 40) if i % 4 == 3 else rng.randint(2, 8) for i in range(count)]
-    return prompts, lengths
+    model = SimulatedModel()
+    prompts = [[rng.randrange(2, model.vocab_size) for _ in range(rng.randint(4, 24))] for _ in range(requests)]
+    lengths = [rng.randint(24, 40) if i % 4 == 3 else rng.randint(2, 8) for i in range(requests)]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    config = EngineConfig(block_size=4, num_blocks=48, max_batch_tokens=64, max_num_seqs=6)
+    return DemoSetup(model, None, prompts, params, config, "simulated CPU time")
 
 
-def run_demo(policy: str, *, requests: int, seed: int, console: Console | None, step_rows: int) -> list[StepReport]:
-    """Run the demo workload under one policy; print one table row per step (up to ``step_rows``)."""
-    config = EngineConfig(block_size=4, num_blocks=48, max_batch_tokens=64, max_num_seqs=6, policy=policy)
-    engine = Engine(SimulatedModel(), config)
-    prompts, lengths = demo_prompts(requests, engine.runner.vocab_size, seed)
-    for prompt, n in zip(prompts, lengths, strict=True):
-        engine.add_request(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))
+def model_setup(name: str, requests: int, seed: int, device: str) -> DemoSetup:
+    """Speaker prompts on a real model, sampled with a seed per request, so each speech ends at its own length."""
+    from labkit.models import load  # imports torch and transformers
+
+    model, tokenizer = load(name, device=device)
+    prompts = [SPEAKERS[i % len(SPEAKERS)] + "\n" for i in range(requests)]
+    params = [SamplingParams(max_new_tokens=120, temperature=0.8, seed=seed + i) for i in range(requests)]
+    config = EngineConfig(block_size=8, num_blocks=64, max_batch_tokens=64, max_num_seqs=6, device=device)
+    return DemoSetup(model, tokenizer, prompts, params, config, "wall-clock time")
+
+
+def run_demo(
+    setup: DemoSetup, policy: str, console: Console, step_rows: int
+) -> tuple[list[StepReport], list[RequestOutput]]:
+    """Serve the demo's requests under one policy; print one table row per step (up to ``step_rows``)."""
+    engine = Engine(setup.model, replace(setup.config, policy=policy), setup.tokenizer)
+    ids = [engine.add_request(prompt, p) for prompt, p in zip(setup.prompts, setup.params, strict=True)]
     table = Table(title=f"{policy} batching, step by step ({engine.device_name})")
     for column in ("step", "prefill", "decode", "wasted", "run", "wait", "KV cache blocks", "admitted", "finished"):
         table.add_column(column, justify="right")
@@ -58,11 +93,10 @@ def run_demo(policy: str, *, requests: int, seed: int, console: Console | None, 
                 _ids(report.finished),
                 _ids(report.preempted),
             )
-    if console is not None:
-        console.print(table)
-        if len(reports) > step_rows:
-            console.print(f"... {len(reports) - step_rows} more steps\n")
-    return reports
+    console.print(table)
+    if len(reports) > step_rows:
+        console.print(f"... {len(reports) - step_rows} more steps\n")
+    return reports, [engine.output(request_id) for request_id in ids]
 
 
 def kv_bar(report: StepReport, width: int = 12) -> str:
@@ -72,9 +106,9 @@ def kv_bar(report: StepReport, width: int = 12) -> str:
     return "█" * filled + "░" * (width - filled) + f" {used}/{report.num_blocks}"
 
 
-def summarize(runs: dict[str, list[StepReport]], console: Console) -> None:
+def summarize(runs: dict[str, list[StepReport]], clock: str, console: Console) -> None:
     """One row per policy: same requests, so the tokens are equal and only time and waste differ."""
-    table = Table(title="continuous vs static on the same requests (simulated CPU time)")
+    table = Table(title=f"continuous vs static on the same requests ({clock})")
     for column in ("policy", "steps", "time (s)", "tokens", "tokens/s", "wasted slots", "peak KV use", "vs static"):
         table.add_column(column, justify="right")
     rates = {}
@@ -104,20 +138,52 @@ def _ids(ids: object) -> str:
 def demo_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="labkit demo",
-        description="Step the engine through continuous and static batching on a simulated model.",
+        description="Step the engine through continuous and static batching on the same requests and print"
+        " what every step did.",
+    )
+    parser.add_argument(
+        "--model",
+        default="tiny-shakespeare",
+        help="'sim' for the simulated model, or any name labkit.models.load accepts (default: the bundled"
+        " tiny-shakespeare, offline)",
     )
     parser.add_argument("--requests", type=int, default=12, help="number of requests (default 12)")
-    parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    parser.add_argument("--steps", type=int, default=40, help="step rows to print per policy (default 40)")
+    parser.add_argument("--seed", type=int, default=0, help="workload and sampling seed (default 0)")
+    parser.add_argument("--steps", type=int, default=30, help="step rows to print per policy (default 30)")
+    parser.add_argument("--device", default="auto", help="'auto' (CUDA if present), 'cpu' or 'cuda' (default auto)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1; set explicitly)")
     args = parser.parse_args(argv)
     if args.requests < 1:
         parser.error("--requests must be >= 1")
+    if args.threads < 1:
+        parser.error("--threads must be >= 1")
     console = Console()
-    runs = {
-        policy: run_demo(policy, requests=args.requests, seed=args.seed, console=console, step_rows=args.steps)
-        for policy in ("continuous", "static")
-    }
-    summarize(runs, console)
+    if args.model == "sim":
+        setup = simulated_setup(args.requests, args.seed)
+    else:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        try:
+            setup = model_setup(args.model, args.requests, args.seed, args.device)
+        except (OSError, ValueError, TypeError) as error:
+            parser.error(str(error))
+        console.print(f"{args.model} with torch on {args.threads} CPU thread(s)")
+    runs, outputs = {}, {}
+    for policy in ("continuous", "static"):
+        runs[policy], outputs[policy] = run_demo(setup, policy, console, args.steps)
+    summarize(runs, setup.clock, console)
+    if setup.tokenizer is not None:
+        for prompt, output in list(zip(setup.prompts, outputs["continuous"], strict=True))[:3]:
+            console.print(
+                f"[bold]{prompt.strip()}[/bold] ({len(output.output_token_ids)} tokens, {output.finish_reason})"
+            )
+            console.print(output.text.strip(), highlight=False, markup=False)
+        same = all(
+            a.output_token_ids == b.output_token_ids
+            for a, b in zip(outputs["continuous"], outputs["static"], strict=True)
+        )
+        console.print(f"\nstatic batching produced the same tokens for every request: {'yes' if same else 'NO'}")
     return 0
 
 

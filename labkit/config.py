@@ -14,7 +14,9 @@ class EngineConfig:
 
     ``max_batch_tokens`` is the per-step token budget shared by prefill chunks and decode tokens
     (vLLM's ``max_num_batched_tokens``); ``max_num_seqs`` caps how many requests run at once.
-    ``num_blocks=None`` lets the runner size the cache from memory.
+    ``num_blocks=None`` lets the runner size the cache from memory: on CUDA 90% of what is free after
+    the weights and a warm-up step, on CPU a fixed 256 MiB (never most of RAM). ``device="auto"`` is
+    CUDA when present, else CPU; ``dtype=None`` keeps the model's dtype.
     """
 
     block_size: int = 16

@@ -125,7 +125,7 @@ def test_smollm2_without_package_or_network_says_how_to_get_it(monkeypatch):
     [
         ({"name_or_path": 3}, TypeError),
         ({"name_or_path": "tiny-shakespeare", "dtype": "int8"}, ValueError),
-        ({"name_or_path": "tiny-shakespeare", "dtype": torch.int8}, TypeError),
+        ({"name_or_path": "tiny-shakespeare", "dtype": torch.int8}, ValueError),
         ({"name_or_path": "tiny-shakespeare", "device": "gpu"}, ValueError),
         ({"name_or_path": "tiny-shakespeare", "device": 0}, TypeError),
         pytest.param(

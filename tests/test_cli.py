@@ -16,7 +16,8 @@ def _summary_rows(text: str) -> dict[str, list[str]]:
     return rows
 
 
-def test_simulated_demo_prints_steps_and_a_summary(capsys):
+def test_simulated_demo_prints_steps_and_a_summary(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # rich would shorten "continuous" in a narrow table
     assert main(["demo", "--model", "sim", "--steps", "3", "--requests", "8"]) == 0
     out = capsys.readouterr().out
     assert "continuous batching, step by step" in out and "static batching, step by step" in out

@@ -1,24 +1,111 @@
-"""What labkit is measured against: transformers' own ways of running many requests.
+"""What labkit is measured against: transformers' own ways of running many requests, and vLLM's.
 
-* :func:`padded_generate` - the classic static batch: ``model.generate`` on groups of prompts,
-  left-padded to the longest, every row decoding until the group's longest request is done.
-* :class:`TransformersContinuous` (and the one-shot :func:`transformers_continuous`) - transformers'
+* :func:`timed_padded_generate` (tokens only: :func:`padded_generate`) - the classic static batch:
+  ``model.generate`` on groups of prompts, left-padded to the longest, every row decoding until the
+  group's longest request is done.
+* :class:`TransformersContinuous` (one-shot: :func:`transformers_continuous`) - transformers'
   continuous-batching manager (the engine behind ``model.generate_batch``), with each request's own
   ``max_new_tokens``. The manager starts once, so timing a run leaves out its setup and its shutdown.
+* :func:`vllm_serve` - vLLM's engine (the one inside ``LLM.generate``), stepped by hand so every token
+  gets a timestamp. Optional: only where vLLM is installed.
 
-All run greedy with EOS off and return each request's generated tokens, cut to what it asked for,
-so benchmarks count the same useful tokens for every method.
+All run greedy, EOS off unless ``eos_token_ids`` are given, and return one RequestOutput per request
+with labkit's timestamps on the ``time.perf_counter`` clock (arrival, first scheduled, every token,
+finish), so :mod:`labkit.metrics` measures them with exactly the definitions it uses for the engine.
+Requests can arrive over time (``arrival_times``, seconds from the call) for the transformers baselines;
+each one's ``arrival_time`` is when it was due, as in labkit's online driver.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Sequence
+import itertools
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
+
+from labkit.request import RequestMetrics, RequestOutput
+
+RESULT_TIMEOUT = 600  # seconds to wait for transformers' manager to return a result before giving up
+VLLM_INSTALL_HINT = "pip install vllm (Linux with a CUDA GPU; CPU builds: see vLLM's installation docs)"
+
+OnFinish = Callable[[int], None]  # called with the number of requests that just finished
+
+
+# ---------------------------------------------------------------------------------------------- padded generate
+class StepClock:
+    """A ``generate`` streamer that only notes when each decoding step's tokens exist.
+
+    ``generate`` calls ``put`` once with the prompts, then once per step with that step's tokens (one
+    per row), and ``end`` when done. The tokens arrive on the host, so on a GPU ``put`` runs after the
+    step has really finished: the times are the moments each row's next token was ready.
+    """
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._seen_prompt = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._seen_prompt:
+            self._seen_prompt = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def timed_padded_generate(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: Sequence[int],
+    batch_size: int = 8,
+    pad_token_id: int = 0,
+    *,
+    arrival_times: Sequence[float] | None = None,
+    eos_token_ids: Collection[int] = (),
+    on_finish: OnFinish | None = None,
+) -> list[RequestOutput]:
+    """Greedy ``model.generate`` on batches of up to ``batch_size`` prompts in arrival order; outputs in input order.
+
+    Like a static-batching server: when a batch is done, the next one takes the requests that have
+    arrived by then (waiting for the next arrival if none has). A batch decodes ``max(max_new_tokens)``
+    of its members; each request keeps only its own share, and its timestamps are those of its own
+    tokens (so its ``finish_time`` is its last token's, as for labkit's static policy).
+    """
+    _check_workload(prompts, max_new_tokens)
+    _check_positive("batch_size", batch_size)
+    arrivals = _arrival_times(arrival_times, len(prompts))
+    order = sorted(range(len(prompts)), key=arrivals.__getitem__)
+    start = time.perf_counter()
+    outputs: dict[int, RequestOutput] = {}
+    next_index = 0
+    while next_index < len(order):
+        _sleep_until(start + arrivals[order[next_index]])
+        now = time.perf_counter()
+        group = []
+        while next_index < len(order) and len(group) < batch_size and start + arrivals[order[next_index]] <= now:
+            group.append(order[next_index])
+            next_index += 1
+        wanted = [max_new_tokens[i] for i in group]
+        rows = _generate_group(model, [prompts[i] for i in group], wanted, pad_token_id, eos_token_ids)
+        for index, (tokens, token_times, scheduled) in zip(group, rows, strict=True):
+            metrics = RequestMetrics(
+                arrival_time=start + arrivals[index],
+                first_scheduled_time=scheduled,
+                first_token_time=token_times[0],
+                finish_time=token_times[-1],
+                token_times=token_times,
+            )
+            reason = "stop" if tokens[-1] in eos_token_ids else "length"
+            outputs[index] = RequestOutput(index, list(prompts[index]), tokens, None, reason, metrics)
+        if on_finish is not None:
+            on_finish(len(group))
+    return [outputs[i] for i in range(len(prompts))]
 
 
 def padded_generate(
@@ -28,27 +115,56 @@ def padded_generate(
     batch_size: int = 8,
     pad_token_id: int = 0,
 ) -> list[list[int]]:
-    """Greedy ``model.generate`` on batches of ``batch_size`` prompts in arrival order, EOS off.
+    """Greedy ``model.generate`` on batches of ``batch_size`` prompts in arrival order, EOS off: the tokens only."""
+    outputs = timed_padded_generate(model, prompts, max_new_tokens, batch_size, pad_token_id)
+    return [o.output_token_ids for o in outputs]
 
-    A batch decodes ``max(max_new_tokens)`` of its members; each request keeps only its own share.
-    """
-    _check_workload(prompts, max_new_tokens)
+
+def _generate_group(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    wanted: Sequence[int],
+    pad_token_id: int,
+    eos_token_ids: Collection[int],
+) -> list[tuple[list[int], list[float], float]]:
+    """One padded ``generate`` call: per row, its tokens (cut to what it wanted, or at EOS), their times, the start."""
     device = model.device
-    outputs: list[list[int]] = []
-    for first in range(0, len(prompts), batch_size):
-        group = [list(p) for p in prompts[first : first + batch_size]]
-        wanted = list(max_new_tokens[first : first + batch_size])
-        longest = max(map(len, group))
-        input_ids = torch.tensor([[pad_token_id] * (longest - len(p)) + p for p in group], device=device)
-        attention_mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in group], device=device)
-        config = GenerationConfig(do_sample=False, max_new_tokens=max(wanted), pad_token_id=pad_token_id)
-        with torch.inference_mode(), _eos_off(model):
-            generated = model.generate(input_ids, attention_mask=attention_mask, generation_config=config)
-        for row, n in zip(generated[:, longest:].tolist(), wanted, strict=True):
-            outputs.append(row[:n])
-    return outputs
+    group = [list(p) for p in prompts]
+    longest = max(map(len, group))
+    input_ids = torch.tensor([[pad_token_id] * (longest - len(p)) + p for p in group], device=device)
+    attention_mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in group], device=device)
+    eos = sorted(eos_token_ids) or None
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(wanted), pad_token_id=pad_token_id, eos_token_id=eos)
+    clock = StepClock()
+    scheduled = time.perf_counter()
+    with torch.inference_mode(), _eos_off(model, eos is None):
+        generated = model.generate(input_ids, attention_mask=attention_mask, generation_config=config, streamer=clock)
+    rows = []
+    for row, n in zip(generated[:, longest:].tolist(), wanted, strict=True):
+        tokens = row[:n]
+        for position, token in enumerate(tokens):
+            if token in eos_token_ids:
+                tokens = tokens[: position + 1]
+                break
+        if len(clock.times) < len(tokens):
+            raise RuntimeError(f"generate streamed {len(clock.times)} steps but returned {len(tokens)} tokens")
+        rows.append((tokens, clock.times[: len(tokens)], scheduled))
+    return rows
 
 
+@contextmanager
+def _eos_off(model: Any, off: bool = True) -> Iterator[None]:
+    """generate() fills an unset eos_token_id from the model's generation config: unset it there too, for a while."""
+    saved = model.generation_config.eos_token_id
+    if off:
+        model.generation_config.eos_token_id = None
+    try:
+        yield
+    finally:
+        model.generation_config.eos_token_id = saved
+
+
+# ---------------------------------------------------------------------------------------------- continuous batching
 class TransformersContinuous:
     """transformers' continuous-batching manager, started once and reused, so a run times only its requests.
 
@@ -94,24 +210,70 @@ class TransformersContinuous:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> list[list[int]]:
         """Greedy, EOS off, one ``max_new_tokens`` per request; the generated tokens in input order."""
+        return [o.output_token_ids for o in self.serve(prompts, max_new_tokens)]
+
+    def serve(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: Sequence[int],
+        *,
+        arrival_times: Sequence[float] | None = None,
+        eos_token_ids: Collection[int] = (),
+        on_finish: OnFinish | None = None,
+    ) -> list[RequestOutput]:
+        """Submit each request when it is due (all at once by default); return timed outputs in input order.
+
+        The manager stamps every token as it is produced (``record_timestamps``) and the moment a request
+        leaves its queue, which become the output's ``token_times`` and ``first_scheduled_time``.
+        """
         _check_workload(prompts, max_new_tokens)
         if self._manager is None:
             raise RuntimeError("use TransformersContinuous as a context manager")
+        arrivals = _arrival_times(arrival_times, len(prompts))
         manager = self._manager
-        ids = [
-            manager.add_request(list(p), max_new_tokens=n, eos_token_id=-1)
-            for p, n in zip(prompts, max_new_tokens, strict=True)
-        ]
-        results: dict[str, list[int]] = {}
-        while len(results) < len(ids):
-            result = manager.get_result(timeout=60)
-            if result is None:
-                raise RuntimeError("transformers' continuous batching stopped before finishing all requests")
+        eos = sorted(eos_token_ids) or -1
+        start = time.perf_counter()
+        index_of: dict[str, int] = {}
+        outputs: dict[int, RequestOutput] = {}
+
+        def take(result: Any) -> None:
             if result.error is not None:
                 raise RuntimeError(f"transformers' continuous batching failed on {result.request_id}: {result.error}")
-            if result.is_finished():
-                results[result.request_id] = list(result.generated_tokens)
-        return [results[i] for i in ids]
+            if not result.is_finished():
+                return
+            index = index_of[result.request_id]
+            outputs[index] = _cb_output(index, result, start + arrivals[index], eos_token_ids)
+            if on_finish is not None:
+                on_finish(1)
+
+        for index in sorted(range(len(prompts)), key=arrivals.__getitem__):
+            due = start + arrivals[index]
+            while (wait := due - time.perf_counter()) > 0:  # collect results while the next request is not due
+                result = manager.get_result(timeout=wait)
+                if result is not None:
+                    take(result)
+                elif not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching stopped before finishing all requests")
+            request_id = manager.add_request(
+                list(prompts[index]), max_new_tokens=max_new_tokens[index], eos_token_id=eos, record_timestamps=True
+            )
+            index_of[request_id] = index
+        while len(outputs) < len(prompts):
+            result = manager.get_result(timeout=RESULT_TIMEOUT)
+            if result is None:
+                raise RuntimeError("transformers' continuous batching stopped before finishing all requests")
+            take(result)
+        return [outputs[i] for i in range(len(prompts))]
+
+
+def _cb_output(index: int, result: Any, arrival: float, eos_token_ids: Collection[int]) -> RequestOutput:
+    tokens, times = list(result.generated_tokens), list(result.timestamps or [])
+    if len(times) != len(tokens):
+        raise RuntimeError(f"transformers returned {len(tokens)} tokens but {len(times)} timestamps")
+    scheduled = result.lifespan[0] if result.lifespan[0] >= 0 else None
+    metrics = RequestMetrics(arrival, scheduled, times[0], times[-1], times)
+    reason = "stop" if tokens[-1] in eos_token_ids else "length"
+    return RequestOutput(index, list(result.prompt_ids), tokens, None, reason, metrics)
 
 
 def transformers_continuous(
@@ -122,19 +284,95 @@ def transformers_continuous(
         return runner.generate(prompts, max_new_tokens)
 
 
-@contextmanager
-def _eos_off(model: Any) -> Iterator[None]:
-    """generate() fills an unset eos_token_id from the model's generation config: unset it there too, for a while."""
-    saved = model.generation_config.eos_token_id
-    model.generation_config.eos_token_id = None
+# ---------------------------------------------------------------------------------------------- vLLM
+def import_vllm() -> Any:
+    """The ``vllm`` module; ImportError saying how to install it where it is missing."""
     try:
-        yield
-    finally:
-        model.generation_config.eos_token_id = saved
+        import vllm
+    except ImportError as error:
+        raise ImportError(f"vLLM is not installed ({error}); to compare with it: {VLLM_INSTALL_HINT}") from None
+    return vllm
 
 
+_vllm_ids = itertools.count()
+
+
+def vllm_serve(
+    llm: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: Sequence[int],
+    *,
+    ignore_eos: bool = True,
+    on_finish: OnFinish | None = None,
+) -> list[RequestOutput]:
+    """Greedy offline generation on a ``vllm.LLM``, all requests at once; timed outputs in input order.
+
+    ``LLM.generate`` hands back only finished requests, so this drives the same engine
+    (``llm.llm_engine``) one step at a time and stamps each token when its step returns.
+    """
+    _check_workload(prompts, max_new_tokens)
+    vllm = import_vllm()
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    start = time.perf_counter()
+    index_of: dict[str, int] = {}
+    for index, (prompt, n) in enumerate(zip(prompts, max_new_tokens, strict=True)):
+        params = vllm.SamplingParams(
+            temperature=0.0, max_tokens=n, ignore_eos=ignore_eos, detokenize=False, output_kind=RequestOutputKind.DELTA
+        )
+        request_id = f"labkit-{next(_vllm_ids)}"
+        engine.add_request(request_id, {"prompt_token_ids": list(prompt)}, params)
+        index_of[request_id] = index
+    tokens: list[list[int]] = [[] for _ in prompts]
+    times: list[list[float]] = [[] for _ in prompts]
+    outputs: dict[int, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        step_outputs = engine.step()
+        now = time.perf_counter()
+        for out in step_outputs:
+            index = index_of[out.request_id]
+            completion = out.outputs[0]
+            new = list(completion.token_ids)
+            tokens[index] += new
+            times[index] += [now] * len(new)
+            if out.finished:
+                metrics = RequestMetrics(start, None, times[index][0], times[index][-1], times[index])
+                reason = "stop" if completion.finish_reason == "stop" else "length"
+                outputs[index] = RequestOutput(index, list(prompts[index]), tokens[index], None, reason, metrics)
+                if on_finish is not None:
+                    on_finish(1)
+    if len(outputs) != len(prompts):
+        raise RuntimeError(f"vLLM finished {len(outputs)} of {len(prompts)} requests")
+    return [outputs[i] for i in range(len(prompts))]
+
+
+# ---------------------------------------------------------------------------------------------- checks
 def _check_workload(prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> None:
     if len(prompts) != len(max_new_tokens):
         raise ValueError(f"got {len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens")
     if not prompts:
         raise ValueError("no prompts")
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def _arrival_times(arrival_times: Sequence[float] | None, n: int) -> list[float]:
+    if arrival_times is None:
+        return [0.0] * n
+    if len(arrival_times) != n:
+        raise ValueError(f"got {len(arrival_times)} arrival times for {n} prompts")
+    if any(not t >= 0 for t in arrival_times):  # also rejects NaN
+        raise ValueError("arrival times must be >= 0 seconds")
+    return [float(t) for t in arrival_times]
+
+
+def _sleep_until(t: float) -> None:
+    wait = t - time.perf_counter()
+    if wait > 0:
+        time.sleep(wait)

@@ -2,9 +2,20 @@
 
 A *mode* is one way of serving the workload: a function ``(workload, setup) -> Run`` that returns one
 finished RequestOutput per request (with its timestamps) and, when it has them, step reports. Every
-mode gets the same token-id prompts and is measured by the same :mod:`labkit.metrics` definitions,
-so the table compares batching strategies and nothing else. Other ways of serving (transformers'
-padded ``generate``, its continuous batching, vLLM) plug in by adding a function to :data:`MODES`.
+mode gets the same token-id prompts, the same greedy settings and a warm-up that is not timed, and is
+measured by the same :mod:`labkit.metrics` definitions, so the table compares batching strategies and
+nothing else. Modes:
+
+* ``labkit-continuous`` / ``labkit-static`` - labkit's engine with each batching policy.
+* ``hf-generate`` - transformers ``model.generate`` on left-padded static batches in arrival order.
+* ``hf-continuous`` - transformers' continuous-batching manager, per-request ``max_new_tokens``.
+* ``vllm`` - vLLM's offline engine, where vLLM is installed (offline runs only).
+
+Requests arrive all at once (offline) or at a rate (online); the transformers baselines are served
+online too (each request submitted when due), vLLM only offline. Each mode runs ``repeats`` times,
+modes alternating order between repeats so that a slow patch of a shared machine hits every mode
+alike; the table shows medians over the repeats. Several arrival rates make a sweep: every mode at
+every rate, one table.
 """
 
 from __future__ import annotations
@@ -13,47 +24,76 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from labkit.config import EngineConfig
 from labkit.engine import Engine
-from labkit.metrics import GpuMonitor, Run, RunMetrics, parse_targets, request_stats, run_metrics, step_stats
+from labkit.metrics import (
+    GpuMonitor,
+    Run,
+    RunMetrics,
+    Summary,
+    parse_targets,
+    request_stats,
+    run_metrics,
+    step_stats,
+)
 from labkit.online import run_workload
-from labkit.request import SamplingParams
+from labkit.request import RequestOutput, SamplingParams
 from labkit.sim import COST_PRESETS, SimulatedModel
 from labkit.workloads import WORKLOADS, WorkloadRequest, make_workload
 
-BENCH_VERSION = 1
+BENCH_VERSION = 2
+REFERENCE_MODE = "labkit-static"  # the table's ratios are to this mode when it ran
+WARMUP_PROMPTS = [[3, 4, 5, 6], [4, 5, 6]]
+WARMUP_TOKENS = 4
+TABLE_WIDTH = 160  # characters, when printing to a file or pipe (a terminal's own width is used otherwise)
 
 
 @dataclass
 class BenchSetup:
-    """What every mode of one bench shares: the model, its tokenizer (None for token-id models), the engine knobs."""
+    """What every mode of one bench shares: the model, its tokenizer (None for token-id models), the engine knobs.
+
+    ``hf_batch_size`` is the batch of ``hf-generate`` (default ``config.max_num_seqs``); ``progress`` is
+    called with the number of requests that just finished, so a progress bar can follow a run.
+    """
 
     model: Any
     tokenizer: Any
     config: EngineConfig
     ignore_eos: bool = True
+    model_name: str = ""
+    hf_batch_size: int | None = None
+    progress: Callable[[int], None] | None = None
 
     @property
     def simulated(self) -> bool:
         return isinstance(self.model, SimulatedModel)
 
+    def finished(self, count: int) -> None:
+        if self.progress is not None:
+            self.progress(count)
+
 
 @dataclass
 class BenchResult:
-    """One mode's run and its metrics."""
+    """One mode's runs at one arrival rate: the median metrics, the median run, and every repeat."""
 
     mode: str
-    run: Run
-    metrics: RunMetrics
+    run: Run  # the repeat with the median output throughput
+    metrics: RunMetrics  # each number the median over the repeats
+    rate: float | None = None  # arrivals per second; None is all at once (offline)
+    repeats: list[RunMetrics] = field(default_factory=list)
 
 
 ModeFn = Callable[[Sequence[WorkloadRequest], BenchSetup], Run]
@@ -64,7 +104,8 @@ def run_labkit(workload: Sequence[WorkloadRequest], setup: BenchSetup, policy: s
     """Serve the workload on a fresh labkit Engine with the given batching policy."""
     engine = Engine(setup.model, replace(setup.config, policy=policy))
     if not setup.simulated:  # first steps on a real model pay one-off costs (allocation, kernel choice)
-        engine.generate([[3, 4, 5, 6]] * 2, SamplingParams(max_new_tokens=4, ignore_eos=True))
+        engine.generate(WARMUP_PROMPTS, SamplingParams(max_new_tokens=WARMUP_TOKENS, ignore_eos=True))
+    engine.step_listeners.append(lambda report: setup.finished(len(report.finished)))
     return run_workload(engine, workload, ignore_eos=setup.ignore_eos)
 
 
@@ -78,10 +119,175 @@ def labkit_static(workload: Sequence[WorkloadRequest], setup: BenchSetup) -> Run
     return run_labkit(workload, setup, "static")
 
 
+def hf_generate(workload: Sequence[WorkloadRequest], setup: BenchSetup) -> Run:
+    """transformers ``generate`` on left-padded batches of ``hf_batch_size`` (default max_num_seqs), arrival order."""
+    from labkit.baselines import timed_padded_generate
+
+    batch_size = setup.hf_batch_size or setup.config.max_num_seqs
+    pad = _pad_token_id(setup.model)
+    timed_padded_generate(setup.model, WARMUP_PROMPTS, [WARMUP_TOKENS] * 2, batch_size, pad)
+    outputs = timed_padded_generate(
+        setup.model,
+        [r.prompt for r in workload],
+        [r.max_new_tokens for r in workload],
+        batch_size,
+        pad,
+        arrival_times=[r.arrival_time for r in workload],
+        eos_token_ids=_eos_ids(setup),
+        on_finish=setup.finished,
+    )
+    return Run(outputs, [])
+
+
+def hf_continuous(workload: Sequence[WorkloadRequest], setup: BenchSetup) -> Run:
+    """transformers' continuous batching with labkit's block size, token budget, max_num_seqs and cache size."""
+    from labkit.baselines import TransformersContinuous
+
+    cfg = setup.config
+    with TransformersContinuous(
+        setup.model,
+        block_size=cfg.block_size,
+        num_blocks=_hf_num_blocks(setup),
+        max_batch_tokens=cfg.max_batch_tokens,
+        max_num_seqs=cfg.max_num_seqs,
+    ) as manager:
+        manager.serve(WARMUP_PROMPTS, [WARMUP_TOKENS] * 2)
+        outputs = manager.serve(
+            [r.prompt for r in workload],
+            [r.max_new_tokens for r in workload],
+            arrival_times=[r.arrival_time for r in workload],
+            eos_token_ids=_eos_ids(setup),
+            on_finish=setup.finished,
+        )
+    return Run(outputs, [])
+
+
+def vllm_offline(workload: Sequence[WorkloadRequest], setup: BenchSetup) -> Run:
+    """vLLM's engine on the same model (loaded by vLLM from its directory or hub id), all requests at once."""
+    from labkit.baselines import vllm_serve
+
+    cfg = setup.config
+    llm = _vllm_llm(vllm_model_path(setup.model_name), cfg.block_size, cfg.max_num_seqs, cfg.max_batch_tokens)
+    vllm_serve(llm, WARMUP_PROMPTS, [WARMUP_TOKENS] * 2)
+    prompts, wanted = [r.prompt for r in workload], [r.max_new_tokens for r in workload]
+    outputs = vllm_serve(llm, prompts, wanted, ignore_eos=setup.ignore_eos, on_finish=setup.finished)
+    return Run(outputs, [])
+
+
 MODES: dict[str, ModeFn] = {
     "labkit-continuous": labkit_continuous,
     "labkit-static": labkit_static,
+    "hf-generate": hf_generate,
+    "hf-continuous": hf_continuous,
+    "vllm": vllm_offline,
 }
+MODEL_MODES = ("hf-generate", "hf-continuous", "vllm")  # need a transformers model, not the simulated one
+OFFLINE_MODES = ("vllm",)  # every request at t=0 only
+VLLM_GPU_MEMORY_FRACTION = 0.4  # vLLM's share of the GPU, leaving room for the other modes in the same process
+
+
+def vllm_model_path(spec: str) -> str:
+    """What vLLM loads for a ``--model`` spec: it takes a directory or hub id, not labkit's in-memory models."""
+    from labkit.models import BUNDLED_DIR, SMOLLM2_HUB_ID
+
+    if spec == "tiny-shakespeare":
+        return str(BUNDLED_DIR)
+    if spec == "smollm2-135m":
+        return SMOLLM2_HUB_ID
+    if spec.partition(":")[0] in ("sim", "random"):
+        raise ValueError(f"mode 'vllm' loads its model from a directory or hub id; --model {spec} is neither")
+    return spec
+
+
+@lru_cache(maxsize=1)  # one vLLM engine per process: it holds a fixed share of the GPU
+def _vllm_llm(path: str, block_size: int, max_num_seqs: int, max_batch_tokens: int) -> Any:
+    from labkit.baselines import import_vllm
+
+    return import_vllm().LLM(
+        model=path,
+        skip_tokenizer_init=True,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_batch_tokens,
+        enable_prefix_caching=False,
+        gpu_memory_utilization=VLLM_GPU_MEMORY_FRACTION,
+        seed=0,
+    )
+
+
+def _pad_token_id(model: Any) -> int:
+    pad = model.config.get_text_config().pad_token_id
+    return pad if isinstance(pad, int) else 0
+
+
+def _eos_ids(setup: BenchSetup) -> frozenset[int]:
+    """The EOS ids a baseline stops at: none unless ``--respect-eos`` (labkit's engine reads the same ones)."""
+    if setup.ignore_eos:
+        return frozenset()
+    eos = getattr(setup.model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = setup.model.config.get_text_config().eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def _hf_num_blocks(setup: BenchSetup) -> int | None:
+    """transformers gets the cache labkit's runner would size on the CPU; on a GPU both size from free memory."""
+    cfg = setup.config
+    if cfg.num_blocks is not None:
+        return cfg.num_blocks
+    from labkit.attention import PagedKVCache
+    from labkit.runner import CPU_CACHE_BYTES, resolve_device
+
+    if resolve_device(cfg.device).type != "cpu":
+        return None
+    text = setup.model.config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    dtype = next(setup.model.parameters()).dtype
+    per_block = PagedKVCache.bytes_per_block(text.num_hidden_layers, cfg.block_size, kv_heads, head_dim, dtype)
+    return max(1, CPU_CACHE_BYTES // per_block)
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def expand_modes(modes: Sequence[str], setup: BenchSetup, online: bool) -> list[str]:
+    """The modes to run, in order: ``all`` becomes every mode this model, rate and install can run."""
+    expanded: list[str] = []
+    for mode in modes:
+        if mode == "all":
+            expanded += [m for m in MODES if m not in expanded and _unavailable(m, setup, online) is None]
+        elif mode not in expanded:
+            expanded.append(mode)
+    return expanded
+
+
+def check_modes(modes: Sequence[str], setup: BenchSetup, online: bool) -> None:
+    """Refuse, before anything runs, a mode that is unknown or cannot run with this model, rate or install."""
+    if not modes:
+        raise ValueError("no modes to run")
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)} (or all)")
+        reason = _unavailable(mode, setup, online)
+        if reason is not None:
+            raise ValueError(f"mode {mode!r} cannot run: {reason}")
+
+
+def _unavailable(mode: str, setup: BenchSetup, online: bool) -> str | None:
+    if mode in MODEL_MODES and setup.simulated:
+        return "it runs a transformers model, and the simulated model is not one (try --model random:tiny)"
+    if mode in OFFLINE_MODES and online:
+        return "it serves offline only (every request at t=0); drop --rate or this mode"
+    if mode == "vllm":
+        from labkit.baselines import import_vllm
+
+        try:
+            import_vllm()
+            vllm_model_path(setup.model_name)
+        except (ImportError, ValueError) as error:
+            return str(error)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -91,31 +297,76 @@ def run_bench(
     modes: Sequence[str],
     *,
     targets: str | dict[str, float] | None = None,
+    repeats: int = 1,
+    rate: float | None = None,
+    on_run: Callable[[str, int], None] | None = None,
 ) -> list[BenchResult]:
-    """Serve ``workload`` (token-id prompts) once per mode, in order; measure each run."""
+    """Serve ``workload`` (token-id prompts) ``repeats`` times per mode; the results hold medians over the repeats.
+
+    Modes run in the given order on even repeats and in reverse on odd ones. ``on_run(mode, repeat)``
+    is called before each run (a progress bar's caption); ``rate`` only labels the results.
+    """
     if isinstance(targets, str):
         targets = parse_targets(targets)
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise ValueError(f"unknown mode {unknown[0]!r}; choose from {sorted(MODES)}")
-    if not modes:
-        raise ValueError("no modes to run")
+    if isinstance(repeats, bool) or not isinstance(repeats, int):
+        raise TypeError(f"repeats must be an int, got {type(repeats).__name__}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    check_modes(modes, setup, online=any(r.arrival_time > 0 for r in workload))
     for item in workload:
         if isinstance(item.prompt, str):
             raise TypeError("bench prompts must be token ids; convert text prompts with tokenize_workload")
+    runs: dict[str, list[tuple[Run, RunMetrics]]] = {mode: [] for mode in modes}
+    for repeat in range(repeats):
+        for mode in modes if repeat % 2 == 0 else modes[::-1]:
+            if on_run is not None:
+                on_run(mode, repeat)
+            with GpuMonitor() as gpu:
+                run = MODES[mode](workload, setup)
+            _release_gpu_cache()
+            metrics = run_metrics(
+                run.outputs,
+                run.reports,
+                targets=targets,
+                peak_gpu_memory_bytes=gpu.peak_memory_bytes,
+                gpu_utilization=gpu.utilization,
+            )
+            runs[mode].append((run, metrics))
     results = []
     for mode in modes:
-        with GpuMonitor() as gpu:
-            run = MODES[mode](workload, setup)
-        metrics = run_metrics(
-            run.outputs,
-            run.reports,
-            targets=targets,
-            peak_gpu_memory_bytes=gpu.peak_memory_bytes,
-            gpu_utilization=gpu.utilization,
-        )
-        results.append(BenchResult(mode, run, metrics))
+        by_throughput = sorted(runs[mode], key=lambda pair: pair[1].output_throughput)
+        median_run = by_throughput[(len(by_throughput) - 1) // 2][0]
+        repeat_metrics = [m for _, m in runs[mode]]
+        results.append(BenchResult(mode, median_run, median_metrics(repeat_metrics), rate, repeat_metrics))
     return results
+
+
+def median_metrics(repeats: Sequence[RunMetrics]) -> RunMetrics:
+    """One RunMetrics whose every number is the median of that number over the repeats (counts: the lower median)."""
+    if not repeats:
+        raise ValueError("no repeats to take the median of")
+    return RunMetrics(**{f.name: _median([getattr(m, f.name) for m in repeats]) for f in fields(RunMetrics)})
+
+
+def _median(values: list[Any]) -> Any:
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    first = present[0]
+    if isinstance(first, Summary):
+        return Summary(**{f.name: _median([getattr(s, f.name) for s in present]) for f in fields(Summary)})
+    if isinstance(first, bool) or not isinstance(first, (int, float)):
+        return first  # e.g. the targets: the same for every repeat
+    if all(isinstance(v, int) for v in present):
+        return statistics.median_low(present)
+    return statistics.median(present)
+
+
+def _release_gpu_cache() -> None:
+    """Give cached GPU memory back after a run, so the next mode (or vLLM) sizes its cache from a clean slate."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def tokenize_workload(workload: Sequence[WorkloadRequest], tokenizer: Any) -> list[WorkloadRequest]:
@@ -126,21 +377,31 @@ def tokenize_workload(workload: Sequence[WorkloadRequest], tokenizer: Any) -> li
     ]
 
 
-def load_model(spec: str) -> tuple[Any, Any]:
+def load_model(spec: str, config: EngineConfig | None = None) -> tuple[Any, Any]:
     """``(model, tokenizer)`` from a spec: ``sim`` or ``sim:<cost preset>`` (simulated), ``random:<size>``
-    (a random-weight transformers model, token-id prompts), or a transformers model directory or cached
-    hub id (loaded offline, text prompts)."""
+    (a random-weight Llama, token-id prompts), or any name :func:`labkit.models.load` takes (the bundled
+    ``tiny-shakespeare``, ``smollm2-135m``, a model directory, a cached hub id; text prompts).
+
+    Real models go on ``config.device`` in ``config.dtype`` (default: float32 on the CPU, bfloat16 on a GPU).
+    """
     kind, _, arg = spec.partition(":")
     if kind == "sim":
         return SimulatedModel(cost=arg or "cpu"), None
+    config = config or EngineConfig()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    from labkit.runner import resolve_device, resolve_dtype
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype) or (torch.float32 if device.type == "cpu" else torch.bfloat16)
     if kind == "random":
         from labkit.models.random import random_model
 
-        return random_model(size=arg or "tiny"), None
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+        return random_model(size=arg or "tiny", dtype=dtype).to(device), None
+    from labkit.models import load
 
-    return AutoModelForCausalLM.from_pretrained(spec), AutoTokenizer.from_pretrained(spec)
+    return load(spec, device=device, dtype=dtype)
 
 
 def special_token_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -156,12 +417,17 @@ def special_token_ids(model: Any, tokenizer: Any) -> set[int]:
 def device_name(setup: BenchSetup) -> str:
     if setup.simulated:
         return f"simulated ({setup.model.cost_model.name})"
-    import torch
-
+    from labkit.runner import device_name as runner_device_name
     from labkit.runner import resolve_device
 
-    device = resolve_device(setup.config.device)
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return runner_device_name(resolve_device(setup.config.device))
+
+
+def max_model_len(model: Any) -> int:
+    """The longest sequence (prompt + output) the model takes."""
+    if isinstance(model, SimulatedModel):
+        return model.max_model_len
+    return model.config.get_text_config().max_position_embeddings
 
 
 def vocab_size(model: Any) -> int:
@@ -170,16 +436,55 @@ def vocab_size(model: Any) -> int:
     return model.get_input_embeddings().num_embeddings
 
 
-# ---------------------------------------------------------------------------------------------- output
+# ---------------------------------------------------------------------------------------------- tables
 def results_table(results: Sequence[BenchResult], title: str = "labkit bench") -> Table:
-    """One column per mode, one row per number: throughput, latency percentiles, goodput, cache use."""
-    table = Table(title=title)
+    """One column per mode, one row per number: throughput (and its ratio to labkit static), latency percentiles."""
+    table = Table(title=title, min_width=len(title))
     table.add_column("metric")
     for result in results:
         table.add_column(result.mode, justify="right")
+    reference = _reference(results)
     for label, cell in TABLE_ROWS:
         table.add_row(label, *(cell(r.metrics) for r in results))
+        if label == "output tokens/s" and reference is not None:
+            base = reference.metrics.output_throughput
+            table.add_row(f"  vs {reference.mode}", *(f"{r.metrics.output_throughput / base:.2f}x" for r in results))
     return table
+
+
+def sweep_table(results: Sequence[BenchResult], title: str = "labkit bench sweep") -> Table:
+    """One row per (rate, mode): throughput and the tail latencies that show when a policy saturates."""
+    table = Table(title=title)
+    for column in ("rate", "mode", "req/s", "out tok/s", "vs static", "TTFT p50", "TTFT p90", "TPOT p90", "e2e p90"):
+        table.add_column(column, justify="left" if column == "mode" else "right")
+    has_goodput = any(r.metrics.goodput is not None for r in results)
+    if has_goodput:
+        table.add_column("goodput", justify="right")
+    for rate in dict.fromkeys(r.rate for r in results):
+        group = [r for r in results if r.rate == rate]
+        reference = _reference(group)
+        for result in group:
+            m = result.metrics
+            ratio = "-" if reference is None else f"{m.output_throughput / reference.metrics.output_throughput:.2f}x"
+            row = [
+                _rate(rate),
+                result.mode,
+                f"{m.request_throughput:.2f}",
+                f"{m.output_throughput:.0f}",
+                ratio,
+                _latency("ttft", "median")(m),
+                _latency("ttft", "p90")(m),
+                _latency("tpot", "p90")(m),
+                _latency("e2e", "p90")(m),
+            ]
+            if has_goodput:
+                row.append(_goodput(m))
+            table.add_row(*row, end_section=result is group[-1])
+    return table
+
+
+def _reference(results: Sequence[BenchResult]) -> BenchResult | None:
+    return next((r for r in results if r.mode == REFERENCE_MODE), None)
 
 
 def _latency(name: str, stat: str) -> Callable[[RunMetrics], str]:
@@ -188,6 +493,10 @@ def _latency(name: str, stat: str) -> Callable[[RunMetrics], str]:
         return "-" if summary is None else _seconds(getattr(summary, stat))
 
     return cell
+
+
+def _goodput(m: RunMetrics) -> str:
+    return "-" if m.goodput is None else f"{m.goodput:.2f} req/s ({m.slo_attainment:.0%})"
 
 
 TABLE_ROWS: list[tuple[str, Callable[[RunMetrics], str]]] = [
@@ -199,9 +508,9 @@ TABLE_ROWS: list[tuple[str, Callable[[RunMetrics], str]]] = [
     *(
         (f"{label} {stat}", _latency(name, stat))
         for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "e2e"))
-        for stat in ("mean", "median", "p99")
+        for stat in ("mean", "median", "p90", "p99")
     ),
-    ("goodput", lambda m: "-" if m.goodput is None else f"{m.goodput:.2f} req/s ({m.slo_attainment:.0%})"),
+    ("goodput", _goodput),
     ("peak KV usage", lambda m: "-" if m.peak_kv_usage is None else f"{m.peak_kv_usage:.1%}"),
     ("preemptions", lambda m: str(m.total_preemptions)),
     ("wasted slots", lambda m: "-" if m.wasted_slots is None else str(m.wasted_slots)),
@@ -214,32 +523,68 @@ TABLE_ROWS: list[tuple[str, Callable[[RunMetrics], str]]] = [
 ]
 
 
+# ---------------------------------------------------------------------------------------------- JSON
 def results_json(results: Sequence[BenchResult], meta: dict[str, Any]) -> dict[str, Any]:
-    """Everything a report needs to redraw the comparison: run metrics, per-request and per-step records."""
+    """Everything a report needs to redraw the comparison.
+
+    Per mode and rate: the median metrics, each repeat's metrics, and the median run's every request
+    (latencies and timestamps) and every step (labkit modes; baselines have no step reports). Times
+    are seconds from the run's first arrival.
+    """
     return {
         "version": BENCH_VERSION,
         "meta": meta,
         "runs": [
             {
                 "mode": r.mode,
+                "rate": r.rate,
                 "metrics": r.metrics.to_dict(),
-                "requests": [request_stats(o).to_dict() for o in r.run.outputs],
-                "steps": [asdict(step_stats(s)) for s in r.run.reports],
+                "repeats": [m.to_dict() for m in r.repeats],
+                "requests": [_request_record(o, _run_start(r.run)) for o in r.run.outputs],
+                "steps": [_step_record(s, _run_start(r.run)) for s in r.run.reports],
             }
             for r in results
         ],
     }
 
 
-def describe_workload(workload: Sequence[WorkloadRequest]) -> str:
+def _run_start(run: Run) -> float:
+    return min(o.metrics.arrival_time for o in run.outputs)
+
+
+def _request_record(output: RequestOutput, start: float) -> dict[str, Any]:
+    m = output.metrics
+
+    def since(t: float | None) -> float | None:
+        return None if t is None else t - start
+
+    return request_stats(output).to_dict() | {
+        "arrival_time": since(m.arrival_time),
+        "first_scheduled_time": since(m.first_scheduled_time),
+        "first_token_time": since(m.first_token_time),
+        "finish_time": since(m.finish_time),
+        "token_times": [t - start for t in m.token_times],
+    }
+
+
+def _step_record(report: Any, start: float) -> dict[str, Any]:
+    record = asdict(step_stats(report))
+    record["start_time"] -= start
+    return record
+
+
+def describe_workload(workload: Sequence[WorkloadRequest], arrivals: bool = True) -> str:
+    """The workload in one line: size, prompt and output lengths, and (``arrivals``) when requests come."""
     prompts = [len(r.prompt) for r in workload]
     outputs = [r.max_new_tokens for r in workload]
-    last = max(r.arrival_time for r in workload)
-    arrivals = "all at t=0 (offline)" if last == 0 else f"arrivals over {last:.1f} s"
-    return (
+    text = (
         f"{len(workload)} requests, prompts {min(prompts)}-{max(prompts)} tokens (mean {_mean(prompts):.0f}),"
-        f" outputs {min(outputs)}-{max(outputs)} (mean {_mean(outputs):.0f}), {arrivals}"
+        f" outputs {min(outputs)}-{max(outputs)} (mean {_mean(outputs):.0f})"
     )
+    if not arrivals:
+        return text
+    last = max(r.arrival_time for r in workload)
+    return text + (", all at t=0 (offline)" if last == 0 else f", arrivals over {last:.1f} s")
 
 
 def _seconds(value: float | None) -> str:
@@ -248,48 +593,135 @@ def _seconds(value: float | None) -> str:
     return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
+def _rate(rate: float | None) -> str:
+    return "offline" if rate is None else f"{rate:g}/s"
+
+
 def _mean(values: Sequence[int]) -> float:
     return sum(values) / len(values)
 
 
+# ---------------------------------------------------------------------------------------------- progress
+class BenchProgress:
+    """One progress bar for a whole bench: requests finished, over every rate, repeat and mode."""
+
+    def __init__(self, total: int, console: Console, enabled: bool = True) -> None:
+        self._progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("requests"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+            disable=not enabled,
+        )
+        self._task = self._progress.add_task("bench", total=total)
+
+    def __enter__(self) -> BenchProgress:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    def describe(self, text: str) -> None:
+        self._progress.update(self._task, description=text)
+
+    def advance(self, count: int) -> None:
+        self._progress.advance(self._task, count)
+
+
 # ---------------------------------------------------------------------------------------------- command line
+EPILOG = """\
+models: 'sim' or 'sim:PRESET' is a simulated model (simulated clock, no torch); 'random:SIZE' a random-weight
+transformers Llama (token-id prompts); anything else goes to labkit.models.load: 'tiny-shakespeare' (bundled),
+'smollm2-135m', a local model directory or a cached hub id (text prompts cut from Tiny Shakespeare, tokenized
+with the model's tokenizer). Loading is offline (HF_HUB_OFFLINE=1 unless set).
+
+modes: labkit-continuous and labkit-static run labkit's engine; hf-generate runs transformers generate() on
+left-padded static batches of --hf-batch-size in arrival order; hf-continuous runs transformers' continuous
+batching with the same block size, token budget, max-num-seqs and cache size; vllm runs vLLM's engine (only
+where vLLM is installed: pip install vllm; offline only, not with --rate). 'all' is every mode that can run.
+Every mode serves the same token ids, greedy, EOS off unless --respect-eos, after an untimed warm-up.
+
+arrivals: --rate R makes Poisson arrivals at R requests/s (gamma gaps with --burstiness); several rates,
+comma-separated, make a sweep: every mode at every rate, one table. The baselines hf-generate and
+hf-continuous serve online too (requests submitted when due); vllm does not.
+
+examples:
+  labkit bench --model random:tiny --threads 1 --modes labkit-continuous labkit-static hf-continuous hf-generate
+  labkit bench --model tiny-shakespeare --workload sharegpt-like --num-requests 64 --html bench.html
+  labkit bench --model sim --rate 1,2,4 --num-requests 64
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="labkit bench",
         description="Serve one seeded workload in several ways and compare throughput and latency.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--model",
         default="sim",
-        help=f"'sim' or 'sim:PRESET' (simulated; presets: {', '.join(COST_PRESETS)}), 'random:SIZE' (random-weight"
-        " transformers model), or a local transformers model directory (default: sim)",
+        help=f"'sim' or 'sim:PRESET' (presets: {', '.join(COST_PRESETS)}), 'random:SIZE' (e.g. random:tiny),"
+        " 'tiny-shakespeare', 'smollm2-135m', or a model directory (default: sim)",
     )
-    parser.add_argument("--modes", nargs="+", default=list(MODES), metavar="MODE", help=f"from {', '.join(MODES)}")
-    parser.add_argument("--workload", default="long-tail", choices=sorted(WORKLOADS))
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["labkit-continuous", "labkit-static"],
+        metavar="MODE",
+        help=f"modes to run, space- or comma-separated: {', '.join(MODES)}, or all"
+        " (default: labkit-continuous labkit-static)",
+    )
+    parser.add_argument("--workload", default="long-tail", choices=sorted(WORKLOADS), help="traffic shape")
     parser.add_argument("--num-requests", type=int, default=None, help="requests in the workload (default 32)")
-    parser.add_argument("--rate", type=float, default=math.inf, help="arrivals per second (default inf: all at once)")
+    parser.add_argument(
+        "--rate",
+        "--rates",
+        dest="rates",
+        type=_rates,
+        default=[None],
+        metavar="R[,R...]",
+        help="arrivals per second; several comma-separated rates run a sweep (default: all at once, offline)",
+    )
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 is Poisson")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prompt-len", type=_pair, help="LO,HI prompt tokens (uniform, long-tail)")
-    parser.add_argument("--output-len", type=_pair, help="LO,HI new tokens (uniform, long-tail, shared-prefix)")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    parser.add_argument("--prompt-len", type=_pair, metavar="LO,HI", help="prompt tokens (uniform, long-tail)")
+    parser.add_argument(
+        "--output-len", type=_pair, metavar="LO,HI", help="new tokens (uniform, long-tail, shared-prefix)"
+    )
     parser.add_argument("--long-output-len", type=int, help="new tokens of the long requests (long-tail)")
     parser.add_argument("--prefix-len", type=int, help="shared system prompt tokens (shared-prefix)")
-    parser.add_argument("--suffix-len", type=_pair, help="LO,HI own prompt tokens (shared-prefix)")
+    parser.add_argument("--suffix-len", type=_pair, metavar="LO,HI", help="own prompt tokens (shared-prefix)")
     parser.add_argument(
-        "--max-len", type=int, help="clip lengths to this (sharegpt-like; default min(1024, --max-batch-tokens))"
+        "--max-len",
+        type=int,
+        help="clip lengths to this (sharegpt-like; default min(1024, --max-batch-tokens, half the model's length))",
     )
     parser.add_argument("--targets", help="latency targets for goodput, e.g. 'ttft<=0.5s,tpot<=0.05s'")
-    parser.add_argument("--respect-eos", action="store_true", help="let EOS end requests early")
+    parser.add_argument("--respect-eos", action="store_true", help="let EOS end requests early (default: EOS off)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per mode, modes alternating; medians shown")
     defaults = EngineConfig()
-    parser.add_argument("--block-size", type=int, default=defaults.block_size)
+    parser.add_argument("--block-size", type=int, default=defaults.block_size, help="KV-cache block (page) size")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: sized by the runner)")
-    parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens)
-    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    parser.add_argument("--no-chunked-prefill", action="store_true")
+    parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens, help="token budget per step")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=defaults.max_num_seqs, help="requests running at once (static batch size)"
+    )
+    parser.add_argument("--hf-batch-size", type=int, default=None, help="hf-generate batch (default --max-num-seqs)")
+    parser.add_argument("--no-chunked-prefill", action="store_true", help="prefill each prompt in one step")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (real models)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (real models)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice; printed either way)"
+    )
     parser.add_argument("--json", type=Path, help="write the results (metrics, per-request, per-step) here")
+    parser.add_argument("--html", type=Path, help="write a self-contained HTML report with plots here (needs plotly)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
@@ -299,7 +731,7 @@ WORKLOAD_OPTIONS = ("prompt_len", "output_len", "long_output_len", "prefix_len",
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else TABLE_WIDTH)
     try:
         config = EngineConfig(
             block_size=args.block_size,
@@ -311,55 +743,137 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
         )
         targets = parse_targets(args.targets) if args.targets else None
-        unknown = [m for m in args.modes if m not in MODES]
+        requested = [m for item in args.modes for m in item.split(",") if m]
+        unknown = [m for m in requested if m not in (*MODES, "all")]
         if unknown:
-            raise ValueError(f"unknown mode {unknown[0]!r}; choose from {sorted(MODES)}")
-        if args.threads is not None:
+            raise ValueError(f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)} (or all)")
+        for name in ("repeats", "hf_batch_size", "threads"):
+            value = getattr(args, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if args.html is not None:
+            from labkit.bench_report import require_plotly
+
+            require_plotly()
+        if args.model.partition(":")[0] != "sim":
+            _quiet_transformers()
+        model, tokenizer = load_model(args.model, config)
+        threads = None
+        if not isinstance(model, SimulatedModel):
             import torch
 
-            torch.set_num_threads(args.threads)
-        model, tokenizer = load_model(args.model)
-        options = {k: getattr(args, k) for k in WORKLOAD_OPTIONS if getattr(args, k) is not None}
-        if args.workload == "sharegpt-like" and "max_len" not in options:  # static batching prefills in one step
-            options["max_len"] = min(1024, config.max_batch_tokens)
-        prompt_source = {"tokenizer": tokenizer} if tokenizer is not None else {"vocab_size": vocab_size(model)}
-        workload = make_workload(
-            args.workload,
-            args.num_requests,
-            seed=args.seed,
-            rate=args.rate,
-            burstiness=args.burstiness,
-            special_ids=special_token_ids(model, tokenizer),
-            **prompt_source,
-            **options,
+            if args.threads is not None:
+                torch.set_num_threads(args.threads)
+            threads = torch.get_num_threads()
+        setup = BenchSetup(
+            model,
+            tokenizer,
+            config,
+            ignore_eos=not args.respect_eos,
+            model_name=args.model,
+            hf_batch_size=args.hf_batch_size,
         )
-        workload = tokenize_workload(workload, tokenizer)
-        setup = BenchSetup(model, tokenizer, config, ignore_eos=not args.respect_eos)
-        console.print(f"[bold]{args.workload}[/bold]: {describe_workload(workload)}")
-        results = run_bench(setup, workload, args.modes, targets=targets)
-    except (ValueError, TypeError, FileNotFoundError) as error:
+        online = any(rate is not None for rate in args.rates)
+        modes = expand_modes(requested, setup, online)
+        check_modes(modes, setup, online)
+        options = {k: getattr(args, k) for k in WORKLOAD_OPTIONS if getattr(args, k) is not None}
+        if args.workload == "sharegpt-like" and "max_len" not in options:
+            # Static batching prefills a prompt in one step, and prompt + output must fit the model.
+            options["max_len"] = min(1024, config.max_batch_tokens, max_model_len(model) // 2)
+        prompt_source = {"tokenizer": tokenizer} if tokenizer is not None else {"vocab_size": vocab_size(model)}
+        workloads = {
+            rate: tokenize_workload(
+                make_workload(
+                    args.workload,
+                    args.num_requests,
+                    seed=args.seed,
+                    rate=rate,
+                    burstiness=args.burstiness,
+                    special_ids=special_token_ids(model, tokenizer),
+                    **prompt_source,
+                    **options,
+                ),
+                tokenizer,
+            )
+            for rate in args.rates
+        }
+        device = device_name(setup)
+        clock = "simulated seconds" if setup.simulated else "wall-clock seconds"
+        dtype = "" if setup.simulated else f", {next(model.parameters()).dtype}".replace("torch.", "")
+        thread_note = "" if threads is None else f", torch threads: {threads}"
+        console.print(f"[bold]{args.model}[/bold] on {device}{dtype}{thread_note}")
+        first = next(iter(workloads.values()))
+        sweep = len(workloads) > 1
+        shape = "Poisson" if args.burstiness == 1 else f"gamma (burstiness {args.burstiness:g})"
+        rates = f"; {shape} arrivals at {', '.join(map(_rate, workloads))}"
+        console.print(
+            f"[bold]{args.workload}[/bold]: {describe_workload(first, arrivals=not sweep)}{rates if sweep else ''}"
+        )
+        if "all" in requested:
+            for mode in MODES:
+                if mode not in modes:
+                    console.print(f"skipping {mode}: {_unavailable(mode, setup, online)}")
+        console.print(
+            f"modes: {', '.join(modes)}; {args.repeats} repeat{'s' if args.repeats > 1 else ''}"
+            f"{' (medians, modes alternating order)' if args.repeats > 1 else ''}; warm-up not timed"
+        )
+        total = len(first) * len(modes) * args.repeats * len(workloads)
+        results: list[BenchResult] = []
+        with BenchProgress(total, Console(stderr=True), enabled=not args.no_progress) as progress:
+            setup.progress = progress.advance
+            for rate, workload in workloads.items():
+
+                def caption(mode: str, repeat: int, rate: float | None = rate) -> None:
+                    text = f"{mode} ({_rate(rate)}, repeat {repeat + 1}/{args.repeats})"
+                    progress.describe(text)
+
+                results += run_bench(
+                    setup, workload, modes, targets=targets, repeats=args.repeats, rate=rate, on_run=caption
+                )
+    except (ValueError, TypeError, OSError, ImportError) as error:
         print(f"labkit bench: error: {error}", file=sys.stderr)
         return 2
-    device = device_name(setup)
-    clock = "simulated seconds" if setup.simulated else "wall-clock seconds"
-    console.print(results_table(results, title=f"labkit bench: {args.model} on {device}, {args.workload} ({clock})"))
+    title = f"labkit bench: {args.model} on {device}, {args.workload} ({clock})"
+    if len(workloads) == 1:
+        console.print(results_table(results, title=title))
+    else:
+        console.print(sweep_table(results, title=title))
+    meta = {
+        "model": args.model,
+        "device": device,
+        "clock": clock,
+        "threads": threads,
+        "workload": args.workload,
+        "workload_options": {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()},
+        "num_requests": len(first),
+        "rate": args.rates[0] if len(args.rates) == 1 else None,
+        "rates": args.rates,
+        "burstiness": args.burstiness,
+        "seed": args.seed,
+        "repeats": args.repeats,
+        "modes": modes,
+        "ignore_eos": setup.ignore_eos,
+        "hf_batch_size": args.hf_batch_size or config.max_num_seqs,
+        "config": {k: v for k, v in asdict(config).items() if k not in ("dtype", "policy")} | {"dtype": args.dtype},
+    }
+    data = results_json(results, meta)
     if args.json is not None:
-        meta = {
-            "model": args.model,
-            "device": device,
-            "clock": clock,
-            "workload": args.workload,
-            "workload_options": {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()},
-            "num_requests": len(workload),
-            "rate": None if math.isinf(args.rate) else args.rate,
-            "burstiness": args.burstiness,
-            "seed": args.seed,
-            "ignore_eos": setup.ignore_eos,
-            "config": {k: v for k, v in asdict(config).items() if k != "dtype"} | {"dtype": args.dtype},
-        }
-        args.json.write_text(json.dumps(results_json(results, meta), indent=1))
+        args.json.write_text(json.dumps(data, indent=1))
         console.print(f"results written to {args.json}")
+    if args.html is not None:
+        from labkit.bench_report import write_html
+
+        write_html(args.html, data)
+        console.print(f"report written to {args.html}")
     return 0
+
+
+def _quiet_transformers() -> None:
+    """No loading bars or warnings from transformers in the output (e.g. about cutting prompts from a long text)."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    transformers_logging.set_verbosity_error()
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -368,6 +882,20 @@ def _pair(text: str) -> tuple[int, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected LO,HI (two ints), got {text!r}") from None
     return low, high
+
+
+def _rates(text: str) -> list[float | None]:
+    """``"2,4,8"`` -> [2.0, 4.0, 8.0]; ``inf`` is all at once (None). Each rate must be > 0."""
+    rates: list[float | None] = []
+    for part in text.split(","):
+        try:
+            rate = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected requests per second (e.g. 2 or 1,2,4), got {part!r}") from None
+        if not rate > 0:
+            raise argparse.ArgumentTypeError(f"rate must be > 0 requests per second, got {part.strip()}")
+        rates.append(None if math.isinf(rate) else rate)
+    return rates
 
 
 if __name__ == "__main__":

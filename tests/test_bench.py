@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import json
+import statistics
+import subprocess
+import sys
 
 import pytest
 from rich.console import Console
 
-from labkit import Engine, EngineConfig, SimulatedModel
-from labkit.bench import MODES, BenchSetup, main, results_table, run_bench, tokenize_workload
+from labkit import CostModel, Engine, EngineConfig, SimulatedModel
+from labkit.bench import (
+    MODES,
+    BenchSetup,
+    build_parser,
+    main,
+    median_metrics,
+    results_json,
+    results_table,
+    run_bench,
+    tokenize_workload,
+)
+from labkit.bench_report import load_and_write, report_html
 from labkit.metrics import Run, run_metrics
 from labkit.online import run_workload
 from labkit.workloads import WorkloadRequest, make_workload
@@ -55,8 +69,12 @@ def test_a_new_mode_plugs_in(monkeypatch):
 def test_bad_bench_inputs():
     setup = BenchSetup(MODEL, None, EngineConfig())
     workload = make_workload("uniform", 2, **VOCAB)
-    with pytest.raises(ValueError, match="unknown mode 'vllm'"):
-        run_bench(setup, workload, ["vllm"])
+    with pytest.raises(ValueError, match="unknown mode 'nope'"):
+        run_bench(setup, workload, ["nope"])
+    with pytest.raises(ValueError, match="mode 'hf-generate' cannot run: it runs a transformers model"):
+        run_bench(setup, workload, ["labkit-static", "hf-generate"])
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        run_bench(setup, workload, ["labkit-static"], repeats=0)
     with pytest.raises(ValueError, match="no modes"):
         run_bench(setup, workload, [])
     with pytest.raises(TypeError, match="token ids"):
@@ -90,22 +108,159 @@ def test_main_prints_table_and_writes_json(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--rate", "0"], "rate must be > 0"),
         (["--num-requests", "-3"], "num_requests must be >= 0"),
-        (["--modes", "vllm"], "unknown mode 'vllm'"),
+        (["--modes", "nope"], "unknown mode 'nope'"),
+        (["--modes", "labkit-static,hf-continuous"], "mode 'hf-continuous' cannot run"),
         (["--targets", "ttft<0.5"], "bad latency target"),
         (["--max-len", "64"], "unknown option 'max_len' for workload 'long-tail'"),
         (["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
+        (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--hf-batch-size", "0"], "--hf-batch-size must be >= 1"),
         (["--model", "sim:tpu"], "unknown cost preset 'tpu'"),
     ],
 )
 def test_main_bad_options(argv, message, capsys):
     assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--workload", "bursty"], "invalid choice: 'bursty'"),
+        (["--rate", "0"], "rate must be > 0"),
+        (["--rate", "2,-1"], "rate must be > 0"),
+        (["--rate", "fast"], "expected requests per second"),
+        (["--prompt-len", "8"], "expected LO,HI"),
+    ],
+)
+def test_main_argparse_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
 
-def test_main_unknown_workload_is_an_argparse_error(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--workload", "bursty"])
-    assert exit_info.value.code == 2
-    assert "bursty" in capsys.readouterr().err
+def test_help_documents_every_option():
+    parser = build_parser()
+    for action in parser._actions:
+        assert action.help, f"{action.option_strings} has no help"
+    text = parser.format_help()
+    for mode in MODES:
+        assert mode in text
+    for word in ("--rate", "--repeats", "--threads", "--html", "--hf-batch-size", "offline only", "pip install vllm"):
+        assert word in text
+
+
+def test_command_line_errors_have_no_traceback():
+    bad = subprocess.run(
+        [sys.executable, "-m", "labkit.cli", "bench", "--modes", "nope"], capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2
+    assert "unknown mode 'nope'" in bad.stderr and "Traceback" not in bad.stderr
+    shown = subprocess.run([sys.executable, "-m", "labkit.cli", "bench", "--help"], capture_output=True, text=True)
+    assert shown.returncode == 0 and "--rate R[,R...]" in shown.stdout
+
+
+def test_repeats_alternate_the_modes_and_report_medians(monkeypatch):
+    calls = []
+    slow_down = iter([1.0, 3.0, 2.0])  # the simulated model's step cost, one per run of "paced"
+
+    def paced(workload, setup):
+        calls.append("paced")
+        model = SimulatedModel(cost=CostModel("paced", base=next(slow_down), per_token=0.0, per_kv_token=0.0))
+        return run_workload(Engine(model, EngineConfig()), workload)
+
+    def plain(workload, setup):
+        calls.append("plain")
+        return run_workload(Engine(MODEL, EngineConfig()), workload)
+
+    monkeypatch.setitem(MODES, "paced", paced)
+    monkeypatch.setitem(MODES, "plain", plain)
+    workload = make_workload("uniform", 4, output_len=(2, 4), **VOCAB)
+    paced_result, plain_result = run_bench(
+        BenchSetup(MODEL, None, EngineConfig()), workload, ["paced", "plain"], repeats=3
+    )
+    assert calls == ["paced", "plain", "plain", "paced", "paced", "plain"]
+    durations = sorted(m.duration for m in paced_result.repeats)
+    assert durations[0] < durations[1] < durations[2]
+    assert paced_result.metrics.duration == durations[1]  # the median run, not the mean
+    assert paced_result.metrics.ttft.p90 == statistics.median(m.ttft.p90 for m in paced_result.repeats)
+    assert run_metrics(*paced_result.run).duration == durations[1]
+    assert len(plain_result.repeats) == 3
+
+
+def test_median_metrics_takes_each_number_separately():
+    workload = make_workload("long-tail", 8, **VOCAB)
+    runs = [run_workload(Engine(MODEL, EngineConfig(max_num_seqs=n)), workload) for n in (1, 2, 8)]
+    repeats = [run_metrics(*run) for run in runs]
+    median = median_metrics(repeats)
+    assert median.output_throughput == statistics.median(m.output_throughput for m in repeats)
+    assert median.e2e.p99 == statistics.median(m.e2e.p99 for m in repeats)
+    assert median.num_steps == statistics.median_low(m.num_steps for m in repeats)
+    assert isinstance(median.num_steps, int)
+    assert median_metrics(repeats[:1]) == repeats[0]
+
+
+def test_labkit_modes_report_progress():
+    workload = make_workload("uniform", 5, output_len=(2, 4), **VOCAB)
+    finished = []
+    setup = BenchSetup(MODEL, None, EngineConfig(), progress=finished.append)
+    run_bench(setup, workload, ["labkit-continuous", "labkit-static"], repeats=2)
+    assert sum(finished) == 5 * 2 * 2
+
+
+def test_table_shows_ratios_to_labkit_static():
+    workload = make_workload("long-tail", 16, **VOCAB)
+    setup = BenchSetup(MODEL, None, EngineConfig(max_batch_tokens=256, max_num_seqs=8))
+    results = run_bench(setup, workload, ["labkit-continuous", "labkit-static"])
+    console = Console(width=200, record=True)
+    console.print(results_table(results))
+    text = console.export_text()
+    ratio = results[0].metrics.output_throughput / results[1].metrics.output_throughput
+    assert f"{ratio:.2f}x" in text and "1.00x" in text and "TTFT p90" in text
+
+
+def test_main_sweeps_rates_and_writes_html(tmp_path, capsys):
+    report, data_path = tmp_path / "bench.html", tmp_path / "bench.json"
+    argv = ["--num-requests", "6", "--rate", "0.5,4", "--html", str(report), "--json", str(data_path)]
+    assert main([*argv, "--output-len", "4,16", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "0.5/s" in out and "4/s" in out and "TTFT p90" in out and "e2e p90" in out
+    data = json.loads(data_path.read_text())
+    assert [(run["mode"], run["rate"]) for run in data["runs"]] == [
+        ("labkit-continuous", 0.5),
+        ("labkit-static", 0.5),
+        ("labkit-continuous", 4.0),
+        ("labkit-static", 4.0),
+    ]
+    assert data["meta"]["rates"] == [0.5, 4.0]
+    page = report.read_text()
+    assert "<script src=" not in page  # plotly.js is inlined: the page works offline
+    assert "Plotly.newPlot" in page and len(page) > 1_000_000
+    for heading in ("Output throughput over time", "Latency distributions", "KV-cache usage", "Batch composition"):
+        assert heading in page
+    assert "Sweep" in page and "labkit-static @ 4/s" in page
+
+
+def test_report_from_saved_json(tmp_path):
+    workload = make_workload("long-tail", 8, **VOCAB)
+    results = run_bench(BenchSetup(MODEL, None, EngineConfig()), workload, ["labkit-static"])
+    data = results_json(results, {"model": "sim"})
+    requests = data["runs"][0]["requests"]
+    assert min(r["arrival_time"] for r in requests) == 0
+    assert all(len(r["token_times"]) == r["num_output_tokens"] for r in requests)
+    assert all(r["token_times"][-1] == r["finish_time"] for r in requests)
+    saved = tmp_path / "bench.json"
+    saved.write_text(json.dumps(data))
+    page = load_and_write(saved, tmp_path / "bench.html").read_text()
+    assert "labkit bench: sim" in page and "Sweep" not in page
+    with pytest.raises(ValueError, match="no runs"):
+        report_html({"runs": []})
+
+
+def test_html_needs_plotly(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "plotly", None)
+    assert main(["--html", "report.html"]) == 2
+    assert "pip install plotly" in capsys.readouterr().err

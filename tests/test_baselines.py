@@ -1,0 +1,209 @@
+"""Baselines report real per-request timestamps, so the bench measures them like labkit's engine.
+
+Runs on a 2-layer random model (one thread); vLLM is replaced by a stand-in module so the step loop
+that timestamps its tokens is tested without installing it.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import labkit.bench
+from labkit import Engine, EngineConfig, SamplingParams
+from labkit.baselines import TransformersContinuous, padded_generate, timed_padded_generate, vllm_serve
+from labkit.bench import BenchSetup, load_model, main, results_json, run_bench
+from labkit.metrics import run_metrics
+from labkit.workloads import make_workload
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12] * 9, [13, 14, 15]]
+WANTED = [3, 6, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def greedy(model):
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in WANTED]
+    return [o.output_token_ids for o in Engine(model, EngineConfig(num_blocks=32)).generate(PROMPTS, params)]
+
+
+def check_timestamps(outputs, wanted):
+    for output, n in zip(outputs, wanted, strict=True):
+        m = output.metrics
+        assert len(output.output_token_ids) == len(m.token_times) == n
+        assert m.token_times == sorted(m.token_times)
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time == m.token_times[0]
+        assert m.finish_time == m.token_times[-1]
+
+
+def test_padded_generate_timestamps_each_row_by_its_own_tokens(model, greedy):
+    outputs = timed_padded_generate(model, PROMPTS, WANTED, batch_size=2)
+    assert [o.output_token_ids for o in outputs] == greedy == padded_generate(model, PROMPTS, WANTED, batch_size=2)
+    check_timestamps(outputs, WANTED)
+    first, second = outputs[0].metrics, outputs[1].metrics  # one batch: the same steps
+    assert second.token_times[:3] == first.token_times
+    assert outputs[2].metrics.first_scheduled_time >= second.finish_time  # the next batch waits for the whole one
+    assert [o.finish_reason for o in outputs] == ["length"] * 4
+
+
+def test_padded_generate_serves_arrivals_in_batches_of_what_has_arrived(model, greedy):
+    outputs = timed_padded_generate(model, PROMPTS, WANTED, batch_size=4, arrival_times=[0.0, 0.0, 0.3, 0.3])
+    assert [o.output_token_ids for o in outputs] == greedy
+    check_timestamps(outputs, WANTED)
+    start = outputs[0].metrics.arrival_time
+    assert outputs[2].metrics.arrival_time == pytest.approx(start + 0.3)
+    assert outputs[0].metrics.first_scheduled_time == outputs[1].metrics.first_scheduled_time < start + 0.3
+    assert outputs[2].metrics.first_scheduled_time == outputs[3].metrics.first_scheduled_time >= start + 0.3
+
+
+def test_padded_generate_stops_at_eos_when_asked(model, greedy):
+    stop = greedy[1][2]
+    (output,) = timed_padded_generate(model, PROMPTS[1:2], WANTED[1:2], eos_token_ids={stop})
+    assert output.output_token_ids == greedy[1][: greedy[1].index(stop) + 1]
+    assert output.finish_reason == "stop"
+    assert len(output.metrics.token_times) == len(output.output_token_ids)
+
+
+def test_transformers_continuous_reports_token_timestamps(model, greedy):
+    finished = []
+    with TransformersContinuous(model, block_size=8, num_blocks=32) as manager:
+        offline = manager.serve(PROMPTS, WANTED, on_finish=finished.append)
+        online = manager.serve(PROMPTS, WANTED, arrival_times=[0.0, 0.1, 0.2, 0.3])
+        assert manager.generate(PROMPTS, WANTED) == greedy
+    assert [o.output_token_ids for o in offline] == [o.output_token_ids for o in online] == greedy
+    assert sum(finished) == 4
+    check_timestamps(offline, WANTED)
+    check_timestamps(online, WANTED)
+    start = online[0].metrics.arrival_time
+    for output, delay in zip(online, [0.0, 0.1, 0.2, 0.3], strict=True):
+        assert output.metrics.arrival_time == pytest.approx(start + delay)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_bad_baseline_inputs(model):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        timed_padded_generate(model, PROMPTS, WANTED[:2])
+    with pytest.raises(ValueError, match="arrival times"):
+        timed_padded_generate(model, PROMPTS, WANTED, arrival_times=[0.0])
+    with pytest.raises(ValueError, match=">= 0"):
+        timed_padded_generate(model, PROMPTS, WANTED, arrival_times=[0.0, -1.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="batch_size"):
+        timed_padded_generate(model, PROMPTS, WANTED, batch_size=0)
+    with pytest.raises(RuntimeError, match="context manager"):
+        TransformersContinuous(model).serve(PROMPTS, WANTED)
+
+
+def test_every_mode_serves_the_same_tokens_and_is_measured_alike(model):
+    config = EngineConfig(block_size=8, num_blocks=64, max_batch_tokens=128, max_num_seqs=4)
+    workload = make_workload("uniform", 6, prompt_len=(4, 12), output_len=(2, 8), vocab_size=256, special_ids=(0, 1, 2))
+    modes = ["labkit-continuous", "labkit-static", "hf-generate", "hf-continuous"]
+    finished = []
+    setup = BenchSetup(model, None, config, progress=finished.append, hf_batch_size=3)
+    results = run_bench(setup, workload, modes)
+    assert sum(finished) == 6 * len(modes)
+    tokens = [[o.output_token_ids for o in r.run.outputs] for r in results]
+    assert all(t == tokens[0] for t in tokens)
+    assert [len(t) for t in tokens[0]] == [r.max_new_tokens for r in workload]
+    for result in results:
+        assert result.metrics == run_metrics(*result.run)
+        assert result.metrics.ttft is not None and result.metrics.tpot is not None
+    data = results_json(results, {})
+    for run in data["runs"]:
+        assert len(run["requests"]) == 6
+        assert all(len(r["token_times"]) == r["num_output_tokens"] for r in run["requests"])
+        assert (run["steps"] == []) == (run["mode"] in ("hf-generate", "hf-continuous"))
+
+
+def test_load_model_goes_through_labkit_models(monkeypatch):
+    calls = []
+
+    def fake_load(name, device, dtype):
+        calls.append((name, device.type, dtype))
+        return "model", "tokenizer"
+
+    with pytest.raises(ValueError, match="unknown model 'no-such-model'"):
+        load_model("no-such-model", EngineConfig(device="cpu"))
+    monkeypatch.setattr("labkit.models.load", fake_load)
+    assert load_model("tiny-shakespeare", EngineConfig(device="cpu")) == ("model", "tokenizer")
+    assert load_model("./some/dir", EngineConfig(device="cpu", dtype="bfloat16")) == ("model", "tokenizer")
+    assert calls == [("tiny-shakespeare", "cpu", torch.float32), ("./some/dir", "cpu", torch.bfloat16)]
+
+
+def test_text_workloads_use_the_models_tokenizer(monkeypatch, tmp_path, capsys):
+    seen = {}
+    real_make_workload = labkit.bench.make_workload
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real_make_workload(*args, **kwargs)
+
+    monkeypatch.setattr(labkit.bench, "make_workload", spy)
+    argv = ["--model", "tiny-shakespeare", "--workload", "uniform", "--num-requests", "3", "--threads", "1"]
+    argv += ["--prompt-len", "4,8", "--output-len", "2,3", "--modes", "labkit-continuous", "--no-progress"]
+    assert main(argv) == 0
+    assert Path(seen["tokenizer"].name_or_path).name == "tiny_shakespeare"  # the bundled model's own tokenizer
+    assert "vocab_size" not in seen
+    assert "torch threads: 1" in capsys.readouterr().out
+
+
+def test_vllm_mode_says_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if it were not installed
+    assert main(["--model", "random:tiny", "--modes", "vllm", "--num-requests", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "vLLM is not installed" in err and "pip install vllm" in err and "Traceback" not in err
+
+
+def test_vllm_serve_timestamps_every_step(monkeypatch):
+    """A stand-in vLLM engine: each step gives every unfinished request one new token (DELTA outputs)."""
+
+    class Engine:
+        def __init__(self):
+            self.requests = {}
+
+        def add_request(self, request_id, prompt, params):
+            assert params.output_kind == "delta" and params.temperature == 0.0
+            self.requests[request_id] = [prompt["prompt_token_ids"], params.max_tokens, 0]
+
+        def has_unfinished_requests(self):
+            return bool(self.requests)
+
+        def step(self):
+            outputs = []
+            for request_id, state in list(self.requests.items()):
+                prompt, wanted, done = state
+                state[2] = done + 1
+                finished = state[2] == wanted
+                completion = types.SimpleNamespace(token_ids=[prompt[0] + done], finish_reason="length")
+                outputs.append(types.SimpleNamespace(request_id=request_id, outputs=[completion], finished=finished))
+                if finished:
+                    del self.requests[request_id]
+            return outputs
+
+    def sampling_params(**kwargs):
+        return types.SimpleNamespace(**kwargs)
+
+    fake = types.ModuleType("vllm")
+    fake.SamplingParams = sampling_params
+    fake_params = types.ModuleType("vllm.sampling_params")
+    fake_params.RequestOutputKind = types.SimpleNamespace(DELTA="delta")
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", fake_params)
+    llm = types.SimpleNamespace(llm_engine=Engine())
+    finished = []
+    outputs = vllm_serve(llm, [[10, 1], [20, 2, 3]], [3, 2], on_finish=finished.append)
+    assert [o.output_token_ids for o in outputs] == [[10, 11, 12], [20, 21]]
+    assert sum(finished) == 2
+    for output, n in zip(outputs, [3, 2], strict=True):
+        m = output.metrics
+        assert len(m.token_times) == n and m.token_times == sorted(m.token_times)
+        assert m.first_token_time == m.token_times[0] and m.finish_time == m.token_times[-1]
+        assert m.first_scheduled_time is None  # vLLM's queueing is not visible from outside
+    assert outputs[0].metrics.token_times[:2] == outputs[1].metrics.token_times  # the same two steps

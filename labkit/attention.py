@@ -13,12 +13,19 @@ row of T tokens. Everything that depends only on the batch layout - slot mapping
 query positions, masks - is built once per step in a :class:`PagedBatch` and shared by all layers,
 which receive it through the keyword arguments transformers forwards to attention functions.
 
-The reference attention batches segments of the same kind: single-token decodes (split in two by
-context length when a few long requests would make every short one pad up to them) and multi-token
-prefill chunks. It gathers their blocks with one index per block, not per token, and attends with two
-batched matrix products around a softmax for decodes and ``scaled_dot_product_attention`` for prefill
-chunks. Grouped-query attention needs no copies of K/V: the query heads that share a key/value head
-are folded into extra query rows of that head.
+The reference attention batches segments of the same kind, and each kind reads only what it needs:
+
+* single-token decodes (split in two by context length when a few long requests would make every short
+  one pad up to them): scores by one batched matrix product over keys gathered block by block; output
+  as a probability-weighted sum of value rows that ``embedding_bag`` reads straight from the cache;
+* prompt chunks with nothing cached before them: causal ``scaled_dot_product_attention`` over their own
+  keys and values, which the layer already holds - no cache read, no mask;
+* other multi-token chunks (a prompt's later chunks, a static batch's padding rows):
+  ``scaled_dot_product_attention`` over keys and values gathered from their blocks, with a mask.
+
+Grouped-query attention needs no copies of K/V: the query heads that share a key/value head are folded
+into extra query rows of that head. On a CPU a decode step moves little data and computes little, so its
+time goes to the number of torch calls and to reading the cache: the code below keeps both small.
 """
 
 from __future__ import annotations
@@ -30,9 +37,14 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from transformers import AttentionInterface
 
 ATTENTION_NAME = "labkit_paged"
+
+# Splitting decode rows into two groups costs a second pass through the attention calls (tens of
+# microseconds on a CPU); it must save at least this many padded blocks to pay for itself.
+MIN_SPLIT_SAVING_BLOCKS = 32
 
 
 class PagedKVCache:
@@ -57,12 +69,19 @@ class PagedKVCache:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
         self.data = torch.zeros(
             (num_layers, 2, num_kv_heads, num_blocks + 1, block_size, head_dim), dtype=dtype, device=device
         )
         # Per layer: K and V blocks, and the same as (kv_heads, slots, head_dim) for writing.
         self.parts = [self.data[i].unbind(0) for i in range(num_layers)]
         self.slots = [tuple(part.view(num_kv_heads, -1, head_dim) for part in parts) for parts in self.parts]
+        # Per layer: V as one table of (kv_heads * slots) rows, which decode attention sums by index;
+        # head h's rows start at head_starts[h], and slot i of a block is its start plus block_offsets[i].
+        self.value_rows = [self.data[i, 1].view(-1, head_dim) for i in range(num_layers)]
+        slots_per_head = (num_blocks + 1) * block_size
+        self.head_starts = torch.arange(num_kv_heads, device=device).view(-1, 1, 1, 1) * slots_per_head
+        self.block_offsets = torch.arange(block_size, device=device)
         # Gathers reuse one buffer: a fresh multi-megabyte tensor per layer would cost a page fault per 4 KiB.
         self.workspace: torch.Tensor | None = None
 
@@ -115,14 +134,73 @@ class Segment(NamedTuple):
 
 
 @dataclass
-class AttentionGroup:
-    """``S`` segments attended together as one padded batch of ``S x Q`` query rows over ``B`` blocks each.
+class DecodeGroup:
+    """``S`` single-token segments attended together: one query row each, contexts padded to ``B`` blocks.
 
-    Index tensors are flat, for ``index_select``/``index_copy_`` (much faster than advanced indexing).
+    ``query_rows[s]`` is segment ``s``'s packed row (None when the group is the whole step, in packed
+    order: then no copy in or out is needed). ``block_ids[s * B + b]`` is its ``b``-th block, padded with
+    block 0, which the mask hides. ``last_key[kv * S + s]`` is the last position it may see.
+    """
+
+    num_segments: int
+    num_blocks: int
+    query_rows: torch.Tensor | None
+    block_ids: torch.Tensor
+    last_key: torch.Tensor  # (KV * S, 1, 1), one row per (KV head, segment) like the scores
+    key_buffer: torch.Tensor  # where this group's keys are gathered to
+    # Mask and value-row indices for one layer shape, built by the first layer and reused by the others.
+    layouts: dict[tuple[Any, ...], tuple[torch.Tensor, ...]] = field(default_factory=dict)
+
+    @property
+    def output_rows(self) -> torch.Tensor | None:
+        return self.query_rows
+
+    def attend(self, cache: PagedKVCache, layer: int, query: torch.Tensor, scale: float, window: int | None) -> Tensor:
+        """``query`` (1, H, T, D) -> (S, H, D): scores by one batched matmul, output summed from the cached values."""
+        _, num_heads, _, head_dim = query.shape
+        num_kv_heads, segments = cache.num_kv_heads, self.num_segments
+        per_kv = num_heads // num_kv_heads
+        mask, value_index, bag_offsets = self.layout(cache, per_kv, window, query.dtype)
+        q = query if self.query_rows is None else query.index_select(2, self.query_rows)
+        # The query heads that share a KV head are the rows of one small matrix per (KV head, segment).
+        q = q.view(num_kv_heads, per_kv, segments, head_dim).transpose(1, 2).reshape(-1, per_kv, head_dim)
+        keys = cache.gather(layer, 0, self.block_ids, self.key_buffer).view(num_kv_heads * segments, -1, head_dim)
+        scores = torch.baddbmm(mask, q, keys.transpose(1, 2), alpha=scale)  # (KV * S, per_kv, context)
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+        # P @ V without copying V: each output row is a probability-weighted sum of value rows of the cache.
+        weights = probs.view(-1)
+        out = F.embedding_bag(value_index, cache.value_rows[layer], bag_offsets, mode="sum", per_sample_weights=weights)
+        return out.view(num_kv_heads, segments, per_kv, head_dim).transpose(0, 1).reshape(segments, num_heads, head_dim)
+
+    def layout(self, cache: PagedKVCache, per_kv: int, window: int | None, dtype: torch.dtype) -> tuple[Tensor, ...]:
+        """The additive mask (KV * S, 1, context), and the ``embedding_bag`` indices and offsets of the values.
+
+        Bag ``(kv, s, p)`` (query head ``p`` of KV head ``kv``, segment ``s``) lists the value rows of
+        segment ``s``'s padded context in KV head ``kv``, in the order of its attention scores.
+        """
+        key = (per_kv, window, dtype)
+        if key not in self.layouts:
+            key_pos = torch.arange(self.num_blocks * cache.block_size, device=self.last_key.device)
+            visible = key_pos <= self.last_key
+            if window is not None:
+                visible &= key_pos > self.last_key - window
+            mask = torch.where(visible, 0.0, float("-inf")).to(dtype)
+            block_starts = self.block_ids.view(self.num_segments, -1, 1) * cache.block_size
+            slots = (block_starts + cache.block_offsets).view(1, self.num_segments, 1, -1)  # (1, S, 1, context)
+            index = (cache.head_starts + slots).expand(-1, -1, per_kv, -1).reshape(-1)
+            offsets = torch.arange(0, index.numel(), slots.shape[-1], device=index.device)
+            self.layouts[key] = mask, index, offsets
+        return self.layouts[key]
+
+
+@dataclass
+class PrefillGroup:
+    """``S`` multi-token segments attended together as one padded batch of ``S x Q`` query rows over ``B`` blocks.
+
     ``query_rows[s * Q + q]`` is the packed row of segment ``s``'s ``q``-th token; rows past a segment's
     end repeat its last token, so that no row is fully masked. ``valid`` picks the real ones (None when
     all are real) and ``output_rows`` says where their results go. Both are None when the group is the
-    whole batch in packed order (a pure decode step, or a lone prefill chunk): then no copy is needed.
+    whole step in packed order (a lone prefill chunk): then no copy is needed.
     ``block_ids[s * B + b]`` is segment ``s``'s ``b``-th block (padded with block 0, which the mask hides).
     """
 
@@ -135,31 +213,70 @@ class AttentionGroup:
     block_ids: torch.Tensor
     last_key: torch.Tensor  # (S, Q): the last context position each query row may see
     buffers: tuple[torch.Tensor, torch.Tensor]  # where this group's keys and values are gathered to
-    masks: dict[tuple[int, int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    masks: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)
 
-    def mask(
-        self, block_size: int, num_kv_heads: int, per_kv: int, sliding_window: int | None, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """Additive mask, 0 where a query row may see a cached key and -inf elsewhere; built once per step.
+    def attend(self, cache: PagedKVCache, layer: int, query: torch.Tensor, scale: float, window: int | None) -> Tensor:
+        """``query`` (1, H, T, D) -> (real rows, H, D); the fused kernel never materialises the scores."""
+        _, num_heads, _, head_dim = query.shape
+        num_kv_heads, segments, rows = cache.num_kv_heads, self.num_segments, self.num_queries
+        per_kv = num_heads // num_kv_heads
+        mask = self.mask(cache.block_size, per_kv, window, query.dtype)
+        q = query if self.query_rows is None else query.index_select(2, self.query_rows)
+        # Query heads that share a KV head become extra query rows of that head: (KV, S, per_kv * Q, D).
+        q = q.view(num_kv_heads, per_kv, segments, rows, head_dim).transpose(1, 2)
+        q = q.reshape(num_kv_heads, segments, per_kv * rows, head_dim)
+        k = cache.gather(layer, 0, self.block_ids, self.buffers[0]).view(num_kv_heads, segments, -1, head_dim)
+        v = cache.gather(layer, 1, self.block_ids, self.buffers[1]).view(num_kv_heads, segments, -1, head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        # Back to one row per token: (S * Q, H, D).
+        out = out.view(num_kv_heads, segments, per_kv, rows, head_dim).permute(1, 3, 0, 2, 4)
+        out = out.reshape(segments * rows, num_heads, head_dim)
+        return out if self.valid is None else out.index_select(0, self.valid)
 
-        ``per_kv`` is the number of query heads per KV head. Shapes: (KV * S, 1, keys) for decode rows,
-        broadcast over the heads that share a KV head; (1, S, per_kv * Q, keys) for prefill chunks.
-        """
-        key = (num_kv_heads, per_kv, sliding_window, dtype)
+    def mask(self, block_size: int, per_kv: int, window: int | None, dtype: torch.dtype) -> Tensor:
+        """Additive (1, S, per_kv * Q, context) mask, 0 where a query row may see a key, built once per step."""
+        key = (per_kv, window, dtype)
         if key not in self.masks:
             key_pos = torch.arange(self.num_blocks * block_size, device=self.last_key.device)
             last_key = self.last_key[:, :, None]
-            allowed = key_pos <= last_key
-            if sliding_window is not None:
-                allowed &= key_pos > last_key - sliding_window
-            if self.num_queries == 1:
-                allowed = allowed.expand(num_kv_heads, -1, -1, -1).reshape(-1, 1, key_pos.numel())
-            else:  # rows are (head, query) pairs: repeat the query rows per head
-                shape = (self.num_segments, per_kv, self.num_queries, key_pos.numel())
-                allowed = allowed[None, :, None].expand(1, *shape).reshape(1, self.num_segments, -1, shape[-1])
-            mask = torch.full(allowed.shape, float("-inf"), dtype=dtype, device=allowed.device)
-            self.masks[key] = mask.masked_fill_(allowed, 0.0)
+            visible = key_pos <= last_key
+            if window is not None:
+                visible &= key_pos > last_key - window
+            mask = torch.where(visible, 0.0, float("-inf")).to(dtype)  # (S, Q, context)
+            # Rows are (query head, query) pairs: repeat the query rows per head.
+            mask = mask[:, None].expand(-1, per_kv, -1, -1).reshape(1, self.num_segments, -1, key_pos.numel())
+            self.masks[key] = mask
         return self.masks[key]
+
+
+@dataclass
+class FreshPrefillGroup:
+    """Prompt chunks with nothing cached before them (``start == 0``): each attends causally to its own tokens.
+
+    Their whole context is the keys and values the layer just computed, so they need neither the cache
+    nor a mask: causal ``scaled_dot_product_attention`` per chunk (the fused kernel also skips the
+    masked half of the scores). ``spans`` are (first packed row, length); ``output_rows`` says where the
+    results go (None when the chunks are the whole step).
+    """
+
+    spans: list[tuple[int, int]]
+    output_rows: Tensor | None
+
+    def attend(self, query: Tensor, key: Tensor, value: Tensor, scale: float, window: int | None) -> Tensor:
+        """``query`` (1, H, T, D), ``key``/``value`` (1, KV, T, D) -> (rows of the chunks, H, D)."""
+        outs = []
+        for row, length in self.spans:
+            span = slice(row, row + length)
+            q, k, v = query[:, :, span], key[:, :, span], value[:, :, span]
+            if window is None or length <= window:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            else:  # causal, and no further back than the sliding window
+                position = torch.arange(length, device=query.device)
+                distance = position[:, None] - position
+                visible = (distance >= 0) & (distance < window)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+            outs.append(out[0].transpose(0, 1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 @dataclass
@@ -169,7 +286,7 @@ class PagedBatch:
     cache: PagedKVCache
     slot_mapping: torch.Tensor  # (T,) long: the cache slot each packed token writes its K/V to
     position_ids: torch.Tensor  # (T,) long
-    groups: list[AttentionGroup]
+    groups: list[DecodeGroup | PrefillGroup | FreshPrefillGroup]
 
 
 def build_paged_batch(cache: PagedKVCache, segments: Sequence[Segment], device: torch.device) -> PagedBatch:
@@ -182,10 +299,22 @@ def build_paged_batch(cache: PagedKVCache, segments: Sequence[Segment], device: 
     positions: list[int] = []
     slots: list[int] = []
     decodes: list[tuple[int, Segment]] = []  # (first packed row, segment)
-    prefills: list[tuple[int, Segment]] = []
+    prefills: list[tuple[int, Segment]] = []  # chunks that attend to cached keys
+    fresh: list[tuple[int, int]] = []  # (first packed row, length) of chunks with nothing cached before them
     for segment in segments:
         start, num_tokens, table, writes_cache = segment
-        (decodes if num_tokens == 1 else prefills).append((len(positions), segment))
+        if num_tokens == 1:  # a decode row, by far the most common: one position, one slot
+            decodes.append((len(positions), segment))
+            positions.append(start)
+            if writes_cache:
+                slots.append(table[start // block_size] * block_size + start % block_size)
+            else:  # a padding row's position may lie past its request's blocks
+                slots.append(cache.scratch_slot)
+            continue
+        if start == 0 and writes_cache:
+            fresh.append((len(positions), num_tokens))
+        else:
+            prefills.append((len(positions), segment))
         end = start + num_tokens
         positions.extend(range(start, end))
         if not writes_cache:
@@ -199,76 +328,111 @@ def build_paged_batch(cache: PagedKVCache, segments: Sequence[Segment], device: 
             slots.extend(range(first, first + run))
             position += run
     num_rows = len(positions)
-    parts = [*_split_by_context(decodes, block_size), prefills]
-    groups = [_group(cache, members, num_rows, device) for members in parts if members]
-    return PagedBatch(
-        cache=cache,
-        slot_mapping=torch.tensor(slots, device=device),
-        position_ids=torch.tensor(positions, device=device),
-        groups=groups,
-    )
+    groups: list[DecodeGroup | PrefillGroup | FreshPrefillGroup] = []
+    for members in _split_by_context(decodes, block_size):
+        if members:
+            groups.append(_decode_group(cache, members, num_rows, device))
+    if prefills:
+        groups.append(_prefill_group(cache, prefills, num_rows, device))
+    if fresh:
+        groups.append(_fresh_group(fresh, num_rows, device))
+    ids = torch.tensor(slots + positions, device=device)  # one tensor built for both lists
+    slot_mapping, position_ids = ids[:num_rows], ids[num_rows:]
+    return PagedBatch(cache=cache, slot_mapping=slot_mapping, position_ids=position_ids, groups=groups)
 
 
-def _context_blocks(segment: Segment, block_size: int) -> int:
-    context = segment.start + segment.num_tokens if segment.writes_cache else segment.start
-    return -(-context // block_size)
+def _context(segment: Segment) -> int:
+    """Positions the segment's last row attends to: its cached prefix plus, if it writes, its own tokens."""
+    return segment.start + segment.num_tokens if segment.writes_cache else segment.start
 
 
 def _split_by_context(decodes: list[tuple[int, Segment]], block_size: int) -> list[list[tuple[int, Segment]]]:
     """Split decode rows into short- and long-context halves when that saves a quarter of the padded blocks.
 
     A padded group reads every segment's context up to the longest one's length; a few long requests
-    among many short ones would multiply the keys and values copied for attention.
+    among many short ones would multiply the keys and values read for attention.
     """
     if len(decodes) < 2:
         return [decodes]
-    members = sorted(decodes, key=lambda member: _context_blocks(member[1], block_size))
-    blocks = [_context_blocks(segment, block_size) for _, segment in members]
+    members = sorted(decodes, key=lambda member: _context(member[1]))
+    blocks = [-(-_context(segment) // block_size) for _, segment in members]
     padded, split = min((i * blocks[i - 1] + (len(blocks) - i) * blocks[-1], i) for i in range(1, len(blocks)))
-    if padded > 0.75 * len(blocks) * blocks[-1]:
+    whole = len(blocks) * blocks[-1]
+    if padded > 0.75 * whole or whole - padded < MIN_SPLIT_SAVING_BLOCKS:
         return [decodes]
     return [members[:split], members[split:]]
 
 
-def _group(
-    cache: PagedKVCache, members: list[tuple[int, Segment]], num_rows: int, device: torch.device
-) -> AttentionGroup:
-    block_size = cache.block_size
-    lengths = [s.num_tokens for _, s in members]
-    contexts = [s.start + s.num_tokens if s.writes_cache else s.start for _, s in members]
-    num_queries = max(lengths)
+def _padded_block_ids(members: list[tuple[int, Segment]], contexts: list[int], block_size: int) -> list[int]:
+    """Each segment's context blocks, padded with block 0 to the longest one's count."""
     num_blocks = -(-max(contexts) // block_size)
     block_ids: list[int] = []
     for (_, segment), context in zip(members, contexts, strict=True):
-        blocks = list(segment.block_table[: -(-context // block_size)])
-        block_ids += blocks + [0] * (num_blocks - len(blocks))
+        used = -(-context // block_size)
+        block_ids += segment.block_table[:used]
+        block_ids += [0] * (num_blocks - used)
+    return block_ids
 
-    if num_queries == 1:  # decode rows: one query row per segment, nothing padded
-        query_rows = torch.tensor([row for row, _ in members])
-        last_key = torch.tensor([[min(s.start, c - 1)] for (_, s), c in zip(members, contexts, strict=True)])
-        valid = None
-    else:  # query row q of a segment is its token min(q, length - 1): rows past the end repeat the last token
-        length = torch.tensor(lengths)[:, None]
-        offsets = torch.arange(num_queries)
-        last = torch.minimum(offsets, length - 1)
-        query_rows = (torch.tensor([row for row, _ in members])[:, None] + last).flatten()
-        starts = torch.tensor([s.start for _, s in members])[:, None]
-        last_key = torch.minimum(starts + last, torch.tensor(contexts)[:, None] - 1)  # causal, within the context
-        valid = None if min(lengths) == num_queries else torch.nonzero((offsets < length).flatten()).flatten()
+
+def _decode_group(
+    cache: PagedKVCache, members: list[tuple[int, Segment]], num_rows: int, device: torch.device
+) -> DecodeGroup:
+    contexts = [_context(s) for _, s in members]
+    block_ids = _padded_block_ids(members, contexts, cache.block_size)
+    rows = [row for row, _ in members]
+    last_keys = [min(s.start, c - 1) for (_, s), c in zip(members, contexts, strict=True)] * cache.num_kv_heads
+    # One tensor built for the three index lists; the pieces are views of it.
+    flat = torch.tensor(block_ids + rows + last_keys, device=device)
+    num_ids, num_members = len(block_ids), len(members)
+    block_id_tensor, query_rows = flat[:num_ids], flat[num_ids : num_ids + num_members]
+    last_key = flat[num_ids + num_members :]
+    return DecodeGroup(
+        num_segments=len(members),
+        num_blocks=len(block_ids) // len(members),
+        # Decodes sit in packed order, so a group holding every row holds them in order.
+        query_rows=None if len(members) == num_rows else query_rows,
+        block_ids=block_id_tensor,
+        last_key=last_key.view(-1, 1, 1),
+        key_buffer=cache.buffers(len(block_ids))[0],
+    )
+
+
+def _prefill_group(
+    cache: PagedKVCache, members: list[tuple[int, Segment]], num_rows: int, device: torch.device
+) -> PrefillGroup:
+    """Query row q of a segment is its token min(q, length - 1): rows past the end repeat the last token."""
+    contexts = [_context(s) for _, s in members]
+    block_ids = _padded_block_ids(members, contexts, cache.block_size)
+    lengths = [s.num_tokens for _, s in members]
+    num_queries = max(lengths)
+    length = torch.tensor(lengths, device=device)[:, None]
+    offsets = torch.arange(num_queries, device=device)
+    last = torch.minimum(offsets, length - 1)
+    query_rows = (torch.tensor([row for row, _ in members], device=device)[:, None] + last).flatten()
+    starts = torch.tensor([s.start for _, s in members], device=device)[:, None]
+    context = torch.tensor(contexts, device=device)[:, None]
+    last_key = torch.minimum(starts + last, context - 1)  # causal, within the context
+    valid = None if min(lengths) == num_queries else torch.nonzero((offsets < length).flatten()).flatten()
     # Segments sit in packed order, so a group holding every row, unpadded, holds them in order.
     in_order = valid is None and len(members) * num_queries == num_rows
-    output_rows = query_rows if valid is None else query_rows[valid]
-    return AttentionGroup(
+    return PrefillGroup(
         num_segments=len(members),
         num_queries=num_queries,
-        num_blocks=num_blocks,
-        query_rows=None if in_order else query_rows.to(device),
-        output_rows=None if in_order else output_rows.to(device),
-        valid=None if valid is None else valid.to(device),
+        num_blocks=len(block_ids) // len(members),
+        query_rows=None if in_order else query_rows,
+        output_rows=None if in_order else (query_rows if valid is None else query_rows[valid]),
+        valid=valid,
         block_ids=torch.tensor(block_ids, device=device),
-        last_key=last_key.to(device),
+        last_key=last_key,
         buffers=cache.buffers(len(block_ids)),
     )
+
+
+def _fresh_group(spans: list[tuple[int, int]], num_rows: int, device: torch.device) -> FreshPrefillGroup:
+    if sum(length for _, length in spans) == num_rows:  # the chunks are the whole step, in packed order
+        return FreshPrefillGroup(spans, None)
+    rows = [row + i for row, length in spans for i in range(length)]
+    return FreshPrefillGroup(spans, torch.tensor(rows, device=device))
 
 
 def paged_attention_forward(
@@ -288,43 +452,21 @@ def paged_attention_forward(
     """
     if paged_batch is None:
         raise ValueError(f"the {ATTENTION_NAME!r} attention runs inside labkit's ModelRunner, which passes paged_batch")
-    _, num_heads, _, head_dim = query.shape
-    num_kv_heads = key.shape[1]
-    per_kv = num_heads // num_kv_heads
+    _, num_heads, num_rows, head_dim = query.shape
     scale = head_dim**-0.5 if scaling is None else scaling
     cache, layer = paged_batch.cache, module.layer_idx
     cache.write(layer, paged_batch.slot_mapping, key[0], value[0])
 
-    tokens = query[0].transpose(0, 1)  # (T, H, D)
     output = None
     for group in paged_batch.groups:
-        segments, rows = group.num_segments, group.num_queries
-        context = group.num_blocks * cache.block_size
-        mask = group.mask(cache.block_size, num_kv_heads, per_kv, sliding_window, query.dtype)
-        q = tokens if group.query_rows is None else tokens.index_select(0, group.query_rows)
-        # Query heads that share a KV head become extra query rows of that head: (KV, S, per_kv * Q, D).
-        q = q.reshape(segments, rows, num_kv_heads, per_kv, head_dim).permute(2, 0, 3, 1, 4)
-        q = q.reshape(num_kv_heads, segments, per_kv * rows, head_dim)
-        if rows == 1:  # decode: per request and KV head, two thin matrix products around a softmax
-            keys = cache.gather(layer, 0, group.block_ids, group.buffers[0]).view(-1, context, head_dim)
-            scores = torch.baddbmm(mask, q.reshape(-1, per_kv, head_dim), keys.transpose(1, 2), alpha=scale)
-            probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
-            values = cache.gather(layer, 1, group.block_ids, group.buffers[1]).view(-1, context, head_dim)
-            out = torch.bmm(probs, values)
-        else:  # prefill chunks: the fused kernel never materialises the (queries x context) scores
-            k = cache.gather(layer, 0, group.block_ids, group.buffers[0]).view(num_kv_heads, segments, context, -1)
-            v = cache.gather(layer, 1, group.block_ids, group.buffers[1]).view(num_kv_heads, segments, context, -1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        # Back to one row per token: (S * Q, H, D).
-        out = out.view(num_kv_heads, segments, per_kv, rows, head_dim).permute(1, 3, 0, 2, 4)
-        out = out.reshape(segments * rows, num_heads, head_dim)
-        if group.output_rows is None:
-            output = out
-            break
-        if group.valid is not None:
-            out = out.index_select(0, group.valid)
+        if isinstance(group, FreshPrefillGroup):
+            out = group.attend(query, key, value, scale, sliding_window)
+        else:
+            out = group.attend(cache, layer, query, scale, sliding_window)
+        if group.output_rows is None:  # the group is the whole step, in packed order
+            return out.unsqueeze(0), None
         if output is None:
-            output = tokens.new_empty(tokens.shape)
+            output = query.new_empty((num_rows, num_heads, head_dim))
         output.index_copy_(0, group.output_rows, out)
     return output.unsqueeze(0), None
 

@@ -97,7 +97,8 @@ class ModelRunner:
     def _forward(self, token_ids: list[int], batch: PagedBatch, sample_rows: list[int]) -> torch.Tensor:
         """Logits (len(sample_rows), vocab) for the packed tokens' rows ``sample_rows``."""
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        keep = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        # 0 keeps every row: a pure decode step samples from all of them, and then needs no index.
+        keep = 0 if len(sample_rows) == len(token_ids) else torch.tensor(sample_rows, device=self.device)
         with use_paged_attention(self.model):
             out = self.model(
                 input_ids=input_ids,

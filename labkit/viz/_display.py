@@ -8,7 +8,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 from labkit.report import StepReport
-from labkit.viz._compat import in_colab, prepare_front_end, static_bundle, widget_bundle, widgets_enabled
+from labkit.viz._compat import Throttle, in_colab, prepare_front_end, static_bundle, widget_bundle, widgets_enabled
 from labkit.viz.record import Recorder
 
 
@@ -22,6 +22,7 @@ class Displayable:
 
     _widget: Any = None
     _recorders: tuple[Recorder, ...] = ()
+    _throttle: Throttle
 
     def figure(self) -> go.Figure:
         raise NotImplementedError
@@ -29,8 +30,14 @@ class Displayable:
     def _build_widget(self) -> Any:
         raise NotImplementedError
 
-    def _on_report(self, report: StepReport) -> None:
+    def refresh(self) -> None:
         raise NotImplementedError
+
+    def _on_report(self, report: StepReport) -> None:
+        """Redraw after a live step, at most every ``min_redraw_seconds``, and always once the run goes idle."""
+        idle = report.num_running == 0 and report.num_waiting == 0
+        if self._widget is not None and self._throttle.ready(force=idle):
+            self.refresh()
 
     def _listen(self, recorders: Iterable[Recorder]) -> None:
         """Hear about every new report of the live ones among ``recorders``."""

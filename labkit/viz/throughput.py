@@ -223,11 +223,6 @@ class LiveThroughput(Displayable):
         box.add_class("labkit-throughput")
         return box
 
-    def _on_report(self, report: StepReport) -> None:
-        idle = report.num_running == 0 and report.num_waiting == 0
-        if self._widget is not None and self._throttle.ready(force=idle):
-            self.refresh()
-
     def refresh(self) -> None:
         """Redraw the plot and the summary from the runs' reports now."""
         if self._widget is not None:

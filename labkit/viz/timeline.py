@@ -195,11 +195,6 @@ class Timeline(Displayable):
         self._view.widget.add_class("labkit-timeline")
         return self._view.widget
 
-    def _on_report(self, report: StepReport) -> None:
-        idle = report.num_running == 0 and report.num_waiting == 0
-        if self._widget is not None and self._throttle.ready(force=idle):
-            self.refresh()
-
     def refresh(self) -> None:
         """Redraw the widget from the runs' reports now."""
         if self._widget is not None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from labkit.attention import PagedBatch, PagedKVCache, Segment, build_paged_batch, use_paged_attention
+from labkit.attention import PagedBatch, PagedKVCache, Segment, build_paged_batch, long_tensor, use_paged_attention
 from labkit.blocks import BlockAllocator
 from labkit.config import EngineConfig
 from labkit.sampling import Sampler
@@ -96,9 +96,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ helpers
     def _forward(self, token_ids: list[int], batch: PagedBatch, sample_rows: list[int]) -> torch.Tensor:
         """Logits (len(sample_rows), vocab) for the packed tokens' rows ``sample_rows``."""
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        input_ids = long_tensor(token_ids, self.device)[None]
         # 0 keeps every row: a pure decode step samples from all of them, and then needs no index.
-        keep = 0 if len(sample_rows) == len(token_ids) else torch.tensor(sample_rows, device=self.device)
+        keep = 0 if len(sample_rows) == len(token_ids) else long_tensor(sample_rows, self.device)
         with use_paged_attention(self.model):
             out = self.model(
                 input_ids=input_ids,

@@ -267,3 +267,12 @@ def test_baselines_generate_what_the_engine_generates(model):
     assert model.config._attn_implementation == "sdpa"
     with pytest.raises(ValueError, match="max_new_tokens"):
         padded_generate(model, prompts, wanted[:2])
+
+
+def test_static_dead_rows_on_a_block_boundary(model):
+    """A finished member's padding row at a position past its own blocks must not break the step or its neighbours."""
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=64, policy="static", max_num_seqs=2))
+    params = [SamplingParams(max_new_tokens=5, ignore_eos=True), SamplingParams(max_new_tokens=9, ignore_eos=True)]
+    outputs = engine.generate([[5] * 4, [6] * 4], params)  # request 0's dead rows reach position 8, past its 2 blocks
+    assert [o.output_token_ids for o in outputs] == [reference(model, [5] * 4, 5), reference(model, [6] * 4, 9)]
+    assert engine.num_free_blocks == engine.num_blocks

@@ -4,6 +4,8 @@ Workload: 32 requests arriving together, prompt lengths uniform in 16..128; 28 w
 and 4 want 256 (in shuffled positions); greedy, EOS off. Methods:
 
 * labkit continuous - the engine with continuous batching and chunked prefill
+* labkit continuous, nn.Linear - the same, with the model's own linear layers instead of the oneDNN-packed
+  weights labkit uses on a CPU (labkit.packed): what packing adds to the engine's speed
 * labkit static     - the same engine, static batches of 8 in arrival order (padded prompts, finished rows kept)
 * HF generate       - transformers ``model.generate`` on left-padded batches of 8 in arrival order
 * HF continuous     - transformers' continuous-batching manager, per-request max_new_tokens
@@ -55,7 +57,9 @@ Generate = Callable[[Sequence[list[int]], Sequence[int]], list[list[int]]]
 
 
 @contextmanager
-def labkit_session(model: torch.nn.Module, block_size: int, policy: str) -> Iterator[Generate]:
+def labkit_session(
+    model: torch.nn.Module, block_size: int, policy: str, pack_weights: bool = True
+) -> Iterator[Generate]:
     static = policy == "static"
     config = EngineConfig(
         block_size=block_size,
@@ -65,6 +69,7 @@ def labkit_session(model: torch.nn.Module, block_size: int, policy: str) -> Iter
         max_num_seqs=STATIC_BATCH if static else MAX_NUM_SEQS,
         policy=policy,
         device="cpu",
+        pack_weights=pack_weights,
     )
     engine = Engine(model, config)
 
@@ -96,6 +101,7 @@ def hf_continuous_session(model: torch.nn.Module, block_size: int) -> Iterator[G
 # Each session sets its method up (engine, cache, background thread: not timed) and yields a generate call.
 SESSIONS: dict[str, Callable[[torch.nn.Module, int], AbstractContextManager[Generate]]] = {
     "labkit continuous": lambda model, block_size: labkit_session(model, block_size, "continuous"),
+    "labkit continuous, nn.Linear": lambda model, block_size: labkit_session(model, block_size, "continuous", False),
     "labkit static": lambda model, block_size: labkit_session(model, block_size, "static"),
     "HF generate (padded, 8)": hf_generate_session,
     "HF continuous batching": hf_continuous_session,

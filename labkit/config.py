@@ -16,7 +16,9 @@ class EngineConfig:
     (vLLM's ``max_num_batched_tokens``); ``max_num_seqs`` caps how many requests run at once.
     ``num_blocks=None`` lets the runner size the cache from memory: on CUDA 90% of what is free after
     the weights and a warm-up step, on CPU a fixed 256 MiB (never most of RAM). ``device="auto"`` is
-    CUDA when present, else CPU; ``dtype=None`` keeps the model's dtype.
+    CUDA when present, else CPU; ``dtype=None`` keeps the model's dtype. ``pack_weights`` lets a CPU
+    runner keep a second copy of the linear weights in oneDNN's layout, which makes small-batch steps
+    about twice as fast in the linear layers (see labkit.packed); it has no effect on CUDA.
     """
 
     block_size: int = 16
@@ -27,6 +29,7 @@ class EngineConfig:
     chunked_prefill: bool = True
     device: str = "auto"
     dtype: Any = None
+    pack_weights: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batch_tokens", "max_num_seqs"):
@@ -40,8 +43,9 @@ class EngineConfig:
             )
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if not isinstance(self.chunked_prefill, bool):
-            raise TypeError(f"chunked_prefill must be a bool, got {type(self.chunked_prefill).__name__}")
+        for name in ("chunked_prefill", "pack_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
 
 
 def _check_positive_int(name: str, value: object) -> None:

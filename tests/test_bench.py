@@ -15,6 +15,7 @@ from labkit.bench import (
     MODES,
     BenchSetup,
     build_parser,
+    labkit_continuous,
     main,
     median_metrics,
     results_json,
@@ -66,6 +67,19 @@ def test_a_new_mode_plugs_in(monkeypatch):
     assert "one-at-a-time" in console.export_text()
 
 
+def test_modes_without_step_reports_show_no_preemption_count(monkeypatch):
+    def stepless(workload, setup):  # like the transformers and vLLM baselines: outputs, no steps
+        return Run(labkit_continuous(workload, setup).outputs, [])
+
+    monkeypatch.setitem(MODES, "stepless", stepless)
+    workload = make_workload("uniform", 4, output_len=(4, 8), **VOCAB)
+    results = run_bench(BenchSetup(MODEL, None, EngineConfig()), workload, ["labkit-continuous", "stepless"])
+    console = Console(width=200, record=True)
+    console.print(results_table(results))
+    (row,) = [line for line in console.export_text().splitlines() if "preemptions" in line]
+    assert [cell.strip() for cell in row.split("│")[2:4]] == ["0", "-"]
+
+
 def test_bad_bench_inputs():
     setup = BenchSetup(MODEL, None, EngineConfig())
     workload = make_workload("uniform", 2, **VOCAB)
@@ -115,7 +129,8 @@ def test_main_prints_table_and_writes_json(tmp_path, capsys):
         (["--max-len", "64"], "unknown option 'max_len' for workload 'long-tail'"),
         (["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
         (["--repeats", "0"], "--repeats must be >= 1"),
-        (["--hf-batch-size", "0"], "--hf-batch-size must be >= 1"),
+        (["--static-batch-size", "0"], "--static-batch-size must be >= 1"),
+        (["--static-batch-size", "600"], "--static-batch-size (600) must be <= --max-batch-tokens"),
         (["--model", "sim:tpu"], "unknown cost preset 'tpu'"),
     ],
 )
@@ -149,7 +164,8 @@ def test_help_documents_every_option():
     text = parser.format_help()
     for mode in MODES:
         assert mode in text
-    for word in ("--rate", "--repeats", "--threads", "--html", "--hf-batch-size", "offline only", "pip install vllm"):
+    options = ("--rate", "--repeats", "--threads", "--html", "--static-batch-size", "--no-pack-weights")
+    for word in (*options, "offline only", "pip install vllm"):
         assert word in text
 
 

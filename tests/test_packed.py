@@ -29,7 +29,7 @@ def test_packed_layers_compute_what_nn_linear_computes(arch, dtype, tolerance):
             if layer.bias is not None:
                 layer.bias.copy_(torch.randn(layer.bias.shape, generator=generator))
     packed = PackedLinears(model)
-    assert set(packed.forwards) == set(linears)
+    assert [layer.module for layer in packed.layers] == linears
     with torch.inference_mode():
         for layer in linears:
             # Up to PACKED_MAX_ROWS rows run on the packed weights, more on nn.Linear: both must agree.
@@ -48,13 +48,42 @@ def test_packed_layers_compute_what_nn_linear_computes(arch, dtype, tolerance):
 def test_packed_weights_are_switched_on_only_inside_a_step():
     model = small_model()
     packed = PackedLinears(model)
-    layer = next(iter(packed.forwards))
+    first = packed.layers[0]
     with packed.active():
-        assert layer.forward is packed.forwards[layer]
-    assert "forward" not in layer.__dict__ and layer.forward.__func__ is torch.nn.Linear.forward
+        assert first.module.forward is first
+    assert "forward" not in first.module.__dict__ and first.module.forward.__func__ is torch.nn.Linear.forward
     with pytest.raises(RuntimeError, match="boom"), packed.active():
         raise RuntimeError("boom")
-    assert all("forward" not in m.__dict__ for m in packed.forwards)
+    assert all("forward" not in layer.module.__dict__ for layer in packed.layers)
+
+
+def test_changed_weights_are_packed_again_before_the_next_step():
+    """Training, loading or replacing weights after the engine was built must show in its outputs."""
+    model = small_model("qwen2")
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=64, device="cpu"))
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    prompt = list(range(3, 20))
+
+    def engine_tokens():
+        return engine.generate([prompt], params)[0].output_token_ids
+
+    def generate_tokens():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)
+        return out[0, len(prompt) :].tolist()
+
+    before = engine_tokens()
+    assert before == generate_tokens()
+    layers = engine.runner.packed_linears.layers
+    attention = model.model.layers[0].self_attn
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # written in place
+        attention.q_proj.bias.add_(torch.randn(attention.q_proj.bias.shape, generator=generator))
+    attention.o_proj.weight = torch.nn.Parameter(torch.randn(attention.o_proj.weight.shape, generator=generator))
+    assert sum(layer.stale() for layer in layers) == 3
+    after = engine_tokens()
+    assert after != before and after == generate_tokens()
+    assert not any(layer.stale() for layer in layers)
 
 
 def test_packing_is_for_cpu_models_in_float32_or_bfloat16():

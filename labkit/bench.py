@@ -866,7 +866,8 @@ def main(argv: list[str] | None = None) -> int:
         clock = "simulated seconds" if setup.simulated else "wall-clock seconds"
         dtype = "" if setup.simulated else f", {next(model.parameters()).dtype}".replace("torch.", "")
         thread_note = "" if threads is None else f", torch threads: {threads}"
-        packing = "" if setup.simulated else _packing_note(model, config)
+        labkit_modes = any(mode.startswith("labkit-") for mode in modes)
+        packing = _packing_note(model, config) if labkit_modes and not setup.simulated else ""
         console.print(f"[bold]{args.model}[/bold] on {device}{dtype}{thread_note}{packing}")
         first = next(iter(workloads.values()))
         sweep = len(workloads) > 1

@@ -255,3 +255,14 @@ def test_vllm_gets_the_same_dtype_and_cache_as_labkit(fake_cpu_vllm):
     assert kwargs["kv_cache_memory_bytes"] == (labkit_cache.shape[3] - 1) * per_block  # minus labkit's scratch block
     assert (kwargs["model"], kwargs["dtype"]) == (str(BUNDLED_DIR), "float32")
     assert (kwargs["block_size"], kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"]) == (32, 8, 256)
+
+
+@pytest.mark.parametrize(
+    ("options", "packed"),
+    [(["--modes", "labkit-continuous"], True), (["--modes", "labkit-continuous", "--no-pack-weights"], False)],
+)
+def test_header_says_whether_labkit_runs_packed_weights(options, packed, capsys):
+    argv = ["--model", "random:tiny", "--workload", "uniform", "--num-requests", "2", "--prompt-len", "4,8"]
+    assert main([*argv, "--output-len", "2,3", "--threads", "1", "--no-progress", *options]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith("random:tiny on cpu") and ("labkit linears oneDNN-packed" in header) == packed

@@ -172,12 +172,14 @@ def hf_continuous(workload: Sequence[WorkloadRequest], setup: BenchSetup) -> Run
 def vllm_offline(workload: Sequence[WorkloadRequest], setup: BenchSetup) -> Run:
     """vLLM's engine on the same model (loaded by vLLM from its directory or hub id), all requests at once."""
     from labkit.baselines import vllm_serve
+    from labkit.runner import cpu_cache_blocks, kv_bytes_per_block
 
     cfg = setup.config
     dtype = str(next(setup.model.parameters()).dtype).removeprefix("torch.")
     cache_bytes = None
     if _vllm_on_cpu():  # vLLM would take gpu_memory_utilization of the machine's RAM; give it labkit's cache
-        cache_bytes = (setup.config.num_blocks or _cpu_num_blocks(setup)) * _kv_bytes_per_block(setup)
+        num_blocks = cfg.num_blocks or cpu_cache_blocks(setup.model, cfg.block_size)
+        cache_bytes = num_blocks * kv_bytes_per_block(setup.model, cfg.block_size)
     llm = _vllm_llm(
         vllm_model_path(setup.model_name), dtype, cache_bytes, cfg.block_size, cfg.max_num_seqs, cfg.max_batch_tokens
     )
@@ -260,28 +262,12 @@ def _eos_ids(setup: BenchSetup) -> frozenset[int]:
 
 def _baseline_num_blocks(setup: BenchSetup) -> int | None:
     """Baselines get the cache labkit's runner would size on the CPU; on a GPU both size from free memory."""
-    from labkit.runner import resolve_device
+    from labkit.runner import cpu_cache_blocks, resolve_device
 
     cfg = setup.config
     if cfg.num_blocks is not None:
         return cfg.num_blocks
-    return _cpu_num_blocks(setup) if resolve_device(cfg.device).type == "cpu" else None
-
-
-def _cpu_num_blocks(setup: BenchSetup) -> int:
-    from labkit.runner import CPU_CACHE_BYTES
-
-    return max(1, CPU_CACHE_BYTES // _kv_bytes_per_block(setup))
-
-
-def _kv_bytes_per_block(setup: BenchSetup) -> int:
-    from labkit.attention import PagedKVCache
-
-    text = setup.model.config.get_text_config()
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    dtype = next(setup.model.parameters()).dtype
-    return PagedKVCache.bytes_per_block(text.num_hidden_layers, setup.config.block_size, kv_heads, head_dim, dtype)
+    return cpu_cache_blocks(setup.model, cfg.block_size) if resolve_device(cfg.device).type == "cpu" else None
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -759,7 +745,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-num-seqs",
         type=int,
         default=defaults.max_num_seqs,
-        help="requests running at once (and the static batch size)",
+        help="requests running at once (and the static batch size, unless --static-batch-size)",
     )
     parser.add_argument(
         "--static-batch-size",

@@ -101,6 +101,7 @@ class PackedLayer:
         self.pack()
 
     def pack(self) -> None:
+        """Copy the layer's current weight into oneDNN's layout, and remember what the copy was made from."""
         self.source = _source(self.module)
         with torch.no_grad():
             self.weight = torch.ops.mkldnn._reorder_linear_weight(self.module.weight.detach(), PACKED_MAX_ROWS)

@@ -50,9 +50,7 @@ class ModelRunner:
         self.model = model.to(device=self.device, dtype=dtype).eval()
         self.dtype = next(model.parameters()).dtype
         text = model.config.get_text_config()
-        self.num_layers = text.num_hidden_layers
-        self.num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.num_layers, self.num_kv_heads, self.head_dim = kv_layout(model)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_model_len = text.max_position_embeddings
         self.eos_token_ids = _eos_token_ids(model)
@@ -120,11 +118,9 @@ class ModelRunner:
         )
 
     def _blocks_from_memory(self, block_size: int) -> int:
-        per_block = PagedKVCache.bytes_per_block(
-            self.num_layers, block_size, self.num_kv_heads, self.head_dim, self.dtype
-        )
         if self.device.type != "cuda":
-            return max(1, CPU_CACHE_BYTES // per_block)
+            return cpu_cache_blocks(self.model, block_size)
+        per_block = kv_bytes_per_block(self.model, block_size)
         activations = self._warm_up(block_size)
         free, _ = torch.cuda.mem_get_info(self.device)
         # Attention copies one layer's share of the blocks it reads: at most every running request's
@@ -151,6 +147,26 @@ class ModelRunner:
         del cache, batch, logits
         torch.cuda.empty_cache()
         return peak
+
+
+def kv_layout(model: Any) -> tuple[int, int, int]:
+    """(layers, KV heads, head size) of a transformers model: what one token adds to its KV cache."""
+    text = model.config.get_text_config()
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return text.num_hidden_layers, num_kv_heads, head_dim
+
+
+def kv_bytes_per_block(model: Any, block_size: int) -> int:
+    """Memory one KV-cache block of ``model`` takes, all layers, K and V, in the model's dtype."""
+    num_layers, num_kv_heads, head_dim = kv_layout(model)
+    dtype = next(model.parameters()).dtype
+    return PagedKVCache.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+
+
+def cpu_cache_blocks(model: Any, block_size: int) -> int:
+    """Blocks of the KV cache that ``num_blocks=None`` gives on a CPU: CPU_CACHE_BYTES' worth."""
+    return max(1, CPU_CACHE_BYTES // kv_bytes_per_block(model, block_size))
 
 
 def resolve_device(device: Any) -> torch.device:

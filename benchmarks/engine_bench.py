@@ -5,7 +5,7 @@ and 4 want 256 (in shuffled positions); greedy, EOS off. Methods:
 
 * labkit continuous - the engine with continuous batching and chunked prefill
 * labkit continuous, nn.Linear - the same, with the model's own linear layers instead of the oneDNN-packed
-  weights labkit uses on a CPU (labkit.packed): what packing adds to the engine's speed
+  weights labkit uses on a CPU (labkit.runtime.packed): what packing adds to the engine's speed
 * labkit static     - the same engine, static batches of 8 in arrival order (padded prompts, finished rows kept)
 * HF generate       - transformers ``model.generate`` on left-padded batches of 8 in arrival order
 * HF continuous     - transformers' continuous-batching manager, per-request max_new_tokens
@@ -32,9 +32,9 @@ from rich.console import Console
 from rich.table import Table
 
 from labkit import Engine, EngineConfig, SamplingParams
-from labkit.baselines import TransformersContinuous, padded_generate
 from labkit.models.random import random_model
-from labkit.runner import device_name
+from labkit.runtime.runner import device_name
+from labkit.serving.baselines import TransformersContinuous, padded_generate
 
 CACHE_TOKENS = 16384  # KV-cache slots for every method: room for the whole workload, no preemption
 MAX_BATCH_TOKENS = 512

@@ -1,4 +1,4 @@
-"""The model's linear layers on a CPU: nn.Linear against oneDNN-packed weights (labkit.packed), by rows per step.
+"""The model's linear layers on a CPU: nn.Linear against oneDNN-packed weights (runtime.packed), by rows per step.
 
 Every linear layer of the random-weight tiny Llama (the engine benchmark's model) runs once in model
 order on ``rows`` token rows, as in one step; the weights do not fit in the CPU's caches together, so
@@ -21,8 +21,8 @@ from rich.console import Console
 from rich.table import Table
 
 from labkit.models.random import random_model
-from labkit.packed import PACKED_MAX_ROWS, PackedLinears
-from labkit.runner import device_name
+from labkit.runtime.packed import PACKED_MAX_ROWS, PackedLinears
+from labkit.runtime.runner import device_name
 
 ROWS = (1, 4, 8, 16, 32, 64, 128, 512)
 

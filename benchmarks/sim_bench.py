@@ -2,7 +2,7 @@
 
 Workload (seeded, all requests arrive at once):
 
-* prompts: log-normal lengths, the "sharegpt-like" workload of ``labkit.workloads`` (mean about 161 tokens,
+* prompts: log-normal lengths, the "sharegpt-like" workload of ``labkit.serving.workloads`` (mean about 161 tokens,
   clipped to 1024);
 * outputs: the SimulatedModel's long tail. Each generated token is EOS with probability
   ``1 / --mean-output-len`` (default 128), so output lengths are geometric: most are short, a few are
@@ -32,8 +32,8 @@ from rich.console import Console
 from rich.table import Table
 
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel
-from labkit.sim import COST_PRESETS
-from labkit.workloads import make_workload
+from labkit.core.sim import COST_PRESETS
+from labkit.serving.workloads import make_workload
 
 
 @dataclass

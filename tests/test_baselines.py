@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import labkit.bench
+import labkit.serving.bench
 from labkit import Engine, EngineConfig, SamplingParams
-from labkit.baselines import TransformersContinuous, padded_generate, timed_padded_generate, vllm_serve
-from labkit.bench import BenchSetup, load_model, main, results_json, run_bench
-from labkit.metrics import run_metrics
-from labkit.workloads import make_workload
+from labkit.serving.baselines import TransformersContinuous, padded_generate, timed_padded_generate, vllm_serve
+from labkit.serving.bench import BenchSetup, load_model, main, results_json, run_bench
+from labkit.serving.metrics import run_metrics
+from labkit.serving.workloads import make_workload
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12] * 9, [13, 14, 15]]
 WANTED = [3, 6, 4, 5]
@@ -142,13 +142,13 @@ def test_load_model_goes_through_labkit_models(monkeypatch):
 
 def test_text_workloads_use_the_models_tokenizer(monkeypatch, tmp_path, capsys):
     seen = {}
-    real_make_workload = labkit.bench.make_workload
+    real_make_workload = labkit.serving.bench.make_workload
 
     def spy(*args, **kwargs):
         seen.update(kwargs)
         return real_make_workload(*args, **kwargs)
 
-    monkeypatch.setattr(labkit.bench, "make_workload", spy)
+    monkeypatch.setattr(labkit.serving.bench, "make_workload", spy)
     argv = ["--model", "tiny-shakespeare", "--workload", "uniform", "--num-requests", "3", "--threads", "1"]
     argv += ["--prompt-len", "4,8", "--output-len", "2,3", "--modes", "labkit-continuous", "--no-progress"]
     assert main(argv) == 0
@@ -228,9 +228,9 @@ def fake_cpu_vllm(monkeypatch):
     platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: True)
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
-    labkit.bench._vllm_llm.cache_clear()
+    labkit.serving.bench._vllm_llm.cache_clear()
     yield built
-    labkit.bench._vllm_llm.cache_clear()
+    labkit.serving.bench._vllm_llm.cache_clear()
 
 
 def test_vllm_on_a_cpu_needs_blocks_of_32(fake_cpu_vllm, capsys):

@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from labkit import CostModel, Engine, EngineConfig, SimulatedModel
-from labkit.bench import (
+from labkit.serving.bench import (
     MODES,
     BenchSetup,
     build_parser,
@@ -23,10 +23,10 @@ from labkit.bench import (
     run_bench,
     tokenize_workload,
 )
-from labkit.bench_report import load_and_write, report_html
-from labkit.metrics import Run, run_metrics
-from labkit.online import run_workload
-from labkit.workloads import WorkloadRequest, make_workload
+from labkit.serving.bench_html import load_and_write, report_html
+from labkit.serving.metrics import Run, run_metrics
+from labkit.serving.online import run_workload
+from labkit.serving.workloads import WorkloadRequest, make_workload
 
 MODEL = SimulatedModel()
 VOCAB = {"vocab_size": MODEL.vocab_size, "special_ids": (0, 1)}

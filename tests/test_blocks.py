@@ -2,7 +2,7 @@
 
 import pytest
 
-from labkit.blocks import BlockAllocator, BlockEvent, NoFreeBlocksError
+from labkit.core.blocks import BlockAllocator, BlockEvent, NoFreeBlocksError
 
 
 def test_allocate_rounds_tokens_up_to_whole_blocks():

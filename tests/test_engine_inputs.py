@@ -10,10 +10,10 @@ import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from labkit import Engine, EngineConfig, SamplingParams
-from labkit.attention import ATTENTION_NAME
-from labkit.baselines import padded_generate, transformers_continuous
-from labkit.hf import generate_batch
-from labkit.runner import CPU_CACHE_BYTES
+from labkit.runtime.attention import ATTENTION_NAME
+from labkit.runtime.hf import generate_batch
+from labkit.runtime.runner import CPU_CACHE_BYTES
+from labkit.serving.baselines import padded_generate, transformers_continuous
 
 torch.set_num_threads(1)
 

@@ -7,7 +7,9 @@ import json
 import pytest
 
 from labkit import Engine, EngineConfig, SimulatedModel
-from labkit.metrics import (
+from labkit.core.report import ScheduledWork, StepReport
+from labkit.core.request import RequestMetrics, RequestOutput, SamplingParams
+from labkit.serving.metrics import (
     GpuMonitor,
     meets_targets,
     parse_targets,
@@ -16,8 +18,6 @@ from labkit.metrics import (
     step_stats,
     summarize,
 )
-from labkit.report import ScheduledWork, StepReport
-from labkit.request import RequestMetrics, RequestOutput, SamplingParams
 
 
 def make_output(request_id, prompt_len, token_times, *, arrival, scheduled, preemptions=0, reason="length"):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from labkit import CostModel, Engine, EngineConfig, SamplingParams, SimulatedModel
-from labkit.online import run_workload
-from labkit.workloads import WorkloadRequest, make_workload
+from labkit.serving.online import run_workload
+from labkit.serving.workloads import WorkloadRequest, make_workload
 
 STEP = 0.01  # every step costs exactly 10 ms, whatever it computes: service times are easy to count
 FLAT = SimulatedModel(cost=CostModel("flat", base=STEP, per_token=0.0, per_kv_token=0.0))

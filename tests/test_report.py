@@ -5,8 +5,8 @@ import json
 import pytest
 
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel, StepReport, load_trace, save_trace
-from labkit.blocks import BlockEvent
-from labkit.report import ScheduledWork
+from labkit.core.blocks import BlockEvent
+from labkit.core.report import ScheduledWork
 
 
 def hand_made_report() -> StepReport:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from labkit import Engine, EngineConfig, SamplingParams
-from labkit.sampling import Sampler, sample_rows, seeded_uniform
+from labkit.runtime.sampling import Sampler, sample_rows, seeded_uniform
 
 torch.set_num_threads(1)
 

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel
-from labkit.blocks import BlockAllocator
-from labkit.request import Request, RequestState
-from labkit.scheduler import ScheduledChunk, Scheduler
+from labkit.core.blocks import BlockAllocator
+from labkit.core.request import Request, RequestState
+from labkit.core.scheduler import ScheduledChunk, Scheduler
 
 EOS = SimulatedModel.eos_token_id
 

@@ -29,7 +29,7 @@ def generate(model: SimulatedModel, config: EngineConfig, prompts, params) -> tu
 @pytest.mark.parametrize(
     "code",
     [
-        "import labkit.blocks, labkit.scheduler, labkit.sim",
+        "import labkit.core.blocks, labkit.core.scheduler, labkit.core.sim",
         "import labkit",
         "import labkit\n"
         "engine = labkit.Engine(labkit.SimulatedModel(mean_output_len=4), labkit.EngineConfig(num_blocks=16))\n"

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from labkit.workloads import WORKLOADS, WorkloadRequest, arrival_times, default_corpus, make_workload
+from labkit.serving.workloads import WORKLOADS, WorkloadRequest, arrival_times, default_corpus, make_workload
 
 VOCAB = {"vocab_size": 1000, "special_ids": (0, 1)}
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from labkit.models.random import random_model
-from labkit.runner import resolve_device, resolve_dtype
+from labkit.runtime.runner import resolve_device, resolve_dtype
 
 __all__ = ["available_models", "load", "random_model"]
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from labkit.report import StepReport
+from labkit.core.report import StepReport
 from labkit.viz._compat import Throttle, in_colab, prepare_front_end, static_bundle, widget_bundle, widgets_enabled
 from labkit.viz.record import Recorder
 

@@ -16,7 +16,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 
-from labkit.report import StepReport
+from labkit.core.report import StepReport
 from labkit.viz._compat import FigureView, Throttle, link_values
 from labkit.viz._display import Displayable
 from labkit.viz.record import as_recorder

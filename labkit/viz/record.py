@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from labkit.report import StepReport, load_trace, save_trace
+from labkit.core.report import StepReport, load_trace, save_trace
 
 
 class RequestInfo(NamedTuple):
@@ -109,7 +109,7 @@ class Recorder:
 
     # ------------------------------------------------------------------ traces
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the reports and metadata to a JSON trace (see :func:`labkit.report.save_trace`)."""
+        """Write the reports and metadata to a JSON trace (see :func:`labkit.core.report.save_trace`)."""
         requests = {str(rid): info._asdict() for rid, info in self.requests.items()}
         return save_trace(path, self.reports, **self.meta, requests=requests)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from labkit.report import StepReport
+from labkit.core.report import StepReport
 from labkit.viz.record import Recorder, RequestInfo
 
 

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from labkit.report import StepReport
+from labkit.core.report import StepReport
 from labkit.viz._compat import FigureView, Throttle
 from labkit.viz._display import Displayable
 from labkit.viz.blockmap import PALETTE

@@ -29,8 +29,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from labkit.report import StepReport
-from labkit.request import RequestOutput
+from labkit.core.report import StepReport
+from labkit.core.request import RequestOutput
 
 TARGET_METRICS = ("queue_time", "ttft", "tpot", "e2e")
 

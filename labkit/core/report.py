@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from labkit.blocks import BlockEvent
+from labkit.core.blocks import BlockEvent
 
 TRACE_VERSION = 1
 

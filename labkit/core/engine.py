@@ -12,11 +12,11 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from labkit.blocks import BlockAllocator
-from labkit.config import EngineConfig
-from labkit.report import ScheduledWork, StepReport
-from labkit.request import Request, RequestMetrics, RequestOutput, SamplingParams
-from labkit.scheduler import Scheduler, SchedulerOutput
+from labkit.core.blocks import BlockAllocator
+from labkit.core.config import EngineConfig
+from labkit.core.report import ScheduledWork, StepReport
+from labkit.core.request import Request, RequestMetrics, RequestOutput, SamplingParams
+from labkit.core.scheduler import Scheduler, SchedulerOutput
 
 
 class Runner(Protocol):
@@ -39,13 +39,20 @@ class Runner(Protocol):
         """Idle until ``clock() >= t``: a simulated clock jumps, a real one sleeps (the online driver uses it)."""
 
 
+#: Builds the runner of a model that does not make its own (a transformers model). The top-level ``labkit``
+#: package plugs in the torch runtime's ModelRunner here, imported only when first used, so the core layer
+#: never names the runtime and ``import labkit`` stays torch-free.
+RunnerFactory = Callable[[Any, EngineConfig], Runner]
+default_runner_factory: RunnerFactory | None = None
+
+
 def make_runner(model: Any, config: EngineConfig) -> Runner:
-    """A model that knows its runner (e.g. SimulatedModel) makes it; anything else is a transformers model."""
+    """A model that knows its runner (e.g. SimulatedModel) makes it; anything else goes to the default factory."""
     if hasattr(model, "make_runner"):
         return model.make_runner(config)
-    from labkit.runner import ModelRunner  # imports torch only when a real model is used
-
-    return ModelRunner(model, config)
+    if default_runner_factory is None:
+        raise TypeError(f"no runner for a model of type {type(model).__name__}: no default runner factory is set")
+    return default_runner_factory(model, config)
 
 
 class Engine:

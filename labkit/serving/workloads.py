@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from labkit.request import SamplingParams
+from labkit.core.request import SamplingParams
 
 DEFAULT_NUM_REQUESTS = 32
 LONG_TAIL_RATIO = 8  # one request in eight is long

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from labkit.request import SamplingParams
+from labkit.core.request import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

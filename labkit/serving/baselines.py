@@ -11,7 +11,7 @@
 
 All run greedy, EOS off unless ``eos_token_ids`` are given, and return one RequestOutput per request
 with labkit's timestamps on the ``time.perf_counter`` clock (arrival, first scheduled, every token,
-finish), so :mod:`labkit.metrics` measures them with exactly the definitions it uses for the engine.
+finish), so :mod:`labkit.serving.metrics` measures them with exactly the definitions it uses for the engine.
 Requests can arrive over time (``arrival_times``, seconds from the call) for the transformers baselines;
 each one's ``arrival_time`` is when it was due, as in labkit's online driver.
 """
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
-from labkit.request import RequestMetrics, RequestOutput
+from labkit.core.request import RequestMetrics, RequestOutput
 
 RESULT_TIMEOUT = 600  # seconds to wait for transformers' manager to return a result before giving up
 VLLM_INSTALL_HINT = (

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from labkit.config import EngineConfig
-from labkit.engine import Engine
-from labkit.request import SamplingParams
+from labkit.core.config import EngineConfig
+from labkit.core.engine import Engine
+from labkit.core.request import SamplingParams
 
 # Continuous-batching knobs that tutorials set on a GenerationConfig, and labkit's names for them.
 GENERATION_CONFIG_KNOBS = {

@@ -16,9 +16,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from labkit.engine import Engine
-from labkit.metrics import Run
-from labkit.workloads import WorkloadRequest
+from labkit.core.engine import Engine
+from labkit.serving.metrics import Run
+from labkit.serving.workloads import WorkloadRequest
 
 
 def run_workload(

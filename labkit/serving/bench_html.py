@@ -4,7 +4,7 @@ The table says continuous batching finished sooner; the plots show how. Throughp
 static batches draining to a trickle while one long request finishes; latency CDFs show the whole
 distribution behind each percentile; KV-cache usage and the batch's make-up per step (prefill, decode
 and wasted rows) show what the engine was doing. The report is drawn from the bench's JSON (see
-:func:`labkit.bench.results_json`), so a saved run can be drawn again later, and plotly.js is embedded
+:func:`labkit.serving.bench.results_json`), so a saved run can be drawn again later, and plotly.js is embedded
 in the page, so it opens offline.
 """
 

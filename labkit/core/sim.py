@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labkit.blocks import BlockAllocator
-from labkit.config import EngineConfig
-from labkit.request import Request
-from labkit.scheduler import SchedulerOutput
+from labkit.core.blocks import BlockAllocator
+from labkit.core.config import EngineConfig
+from labkit.core.request import Request
+from labkit.core.scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True)

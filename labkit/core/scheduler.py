@@ -24,9 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from labkit.blocks import BlockAllocator
-from labkit.config import EngineConfig
-from labkit.request import Request, RequestState
+from labkit.core.blocks import BlockAllocator
+from labkit.core.config import EngineConfig
+from labkit.core.request import Request, RequestState
 
 
 class ScheduledChunk(NamedTuple):

@@ -3,7 +3,7 @@
 Each step the scheduler hands over chunks (runs of tokens of one request). The runner concatenates them
 into a single row with no padding, gives every token its true position, runs the model once, and
 projects only the rows that produce a token through the LM head. Keys and values go to the blocks the
-allocator chose; attention reads them back from there (labkit.attention).
+allocator chose; attention reads them back from there (labkit.runtime.attention).
 
 Threads: the runner never changes torch's thread settings; it uses whatever ``torch.set_num_threads``
 the caller chose (benchmarks pin it to 1).
@@ -18,12 +18,19 @@ from typing import Any
 
 import torch
 
-from labkit.attention import PagedBatch, PagedKVCache, Segment, build_paged_batch, long_tensor, use_paged_attention
-from labkit.blocks import BlockAllocator
-from labkit.config import EngineConfig
-from labkit.packed import PackedLinears
-from labkit.sampling import Sampler
-from labkit.scheduler import SchedulerOutput
+from labkit.core.blocks import BlockAllocator
+from labkit.core.config import EngineConfig
+from labkit.core.scheduler import SchedulerOutput
+from labkit.runtime.attention import (
+    PagedBatch,
+    PagedKVCache,
+    Segment,
+    build_paged_batch,
+    long_tensor,
+    use_paged_attention,
+)
+from labkit.runtime.packed import PackedLinears
+from labkit.runtime.sampling import Sampler
 
 # num_blocks=None on CPU: a fixed KV-cache budget, small next to any machine's RAM.
 CPU_CACHE_BYTES = 256 * 2**20
@@ -38,7 +45,7 @@ class ModelRunner:
 
     The model is moved to the configured device and dtype in place (``nn.Module.to``). Its attention is
     switched to labkit's paged attention only while a step runs, so ``model.generate`` still works; on a
-    CPU its linear layers likewise run on oneDNN-packed weights during a step (labkit.packed).
+    CPU its linear layers likewise run on oneDNN-packed weights during a step (labkit.runtime.packed).
     """
 
     def __init__(self, model: Any, config: EngineConfig) -> None:

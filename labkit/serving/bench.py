@@ -3,7 +3,7 @@
 A *mode* is one way of serving the workload: a function ``(workload, setup) -> Run`` that returns one
 finished RequestOutput per request (with its timestamps) and, when it has them, step reports. Every
 mode gets the same token-id prompts, the same greedy settings and a warm-up that is not timed, and is
-measured by the same :mod:`labkit.metrics` definitions, so the table compares batching strategies and
+measured by the same :mod:`labkit.serving.metrics` definitions, so the table compares batching strategies and
 nothing else. Modes:
 
 * ``labkit-continuous`` / ``labkit-static`` - labkit's engine with each batching policy.
@@ -36,9 +36,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from labkit.config import EngineConfig
-from labkit.engine import Engine
-from labkit.metrics import (
+from labkit.core.config import EngineConfig
+from labkit.core.engine import Engine
+from labkit.core.request import RequestOutput, SamplingParams
+from labkit.core.sim import COST_PRESETS, SimulatedModel
+from labkit.serving.metrics import (
     GpuMonitor,
     Run,
     RunMetrics,
@@ -48,10 +50,8 @@ from labkit.metrics import (
     run_metrics,
     step_stats,
 )
-from labkit.online import run_workload
-from labkit.request import RequestOutput, SamplingParams
-from labkit.sim import COST_PRESETS, SimulatedModel
-from labkit.workloads import WORKLOADS, WorkloadRequest, make_workload
+from labkit.serving.online import run_workload
+from labkit.serving.workloads import WORKLOADS, WorkloadRequest, make_workload
 
 BENCH_VERSION = 2
 REFERENCE_MODE = "labkit-static"  # the table's ratios are to this mode when it ran
@@ -128,7 +128,7 @@ def labkit_static(workload: Sequence[WorkloadRequest], setup: BenchSetup) -> Run
 
 def hf_generate(workload: Sequence[WorkloadRequest], setup: BenchSetup) -> Run:
     """transformers ``generate`` on left-padded batches of the static batch size, in arrival order."""
-    from labkit.baselines import timed_padded_generate
+    from labkit.serving.baselines import timed_padded_generate
 
     batch_size = setup.batch_size
     pad = _pad_token_id(setup.model)
@@ -148,7 +148,7 @@ def hf_generate(workload: Sequence[WorkloadRequest], setup: BenchSetup) -> Run:
 
 def hf_continuous(workload: Sequence[WorkloadRequest], setup: BenchSetup) -> Run:
     """transformers' continuous batching with labkit's block size, token budget, max_num_seqs and cache size."""
-    from labkit.baselines import TransformersContinuous
+    from labkit.serving.baselines import TransformersContinuous
 
     cfg = setup.config
     with TransformersContinuous(
@@ -171,8 +171,8 @@ def hf_continuous(workload: Sequence[WorkloadRequest], setup: BenchSetup) -> Run
 
 def vllm_offline(workload: Sequence[WorkloadRequest], setup: BenchSetup) -> Run:
     """vLLM's engine on the same model (loaded by vLLM from its directory or hub id), all requests at once."""
-    from labkit.baselines import vllm_serve
-    from labkit.runner import cpu_cache_blocks, kv_bytes_per_block
+    from labkit.runtime.runner import cpu_cache_blocks, kv_bytes_per_block
+    from labkit.serving.baselines import vllm_serve
 
     cfg = setup.config
     dtype = str(next(setup.model.parameters()).dtype).removeprefix("torch.")
@@ -219,7 +219,7 @@ def vllm_model_path(spec: str) -> str:
 def _vllm_llm(
     path: str, dtype: str, cache_bytes: int | None, block_size: int, max_num_seqs: int, max_batch_tokens: int
 ) -> Any:
-    from labkit.baselines import import_vllm
+    from labkit.serving.baselines import import_vllm
 
     cache = {} if cache_bytes is None else {"kv_cache_memory_bytes": cache_bytes}
     return import_vllm().LLM(
@@ -262,7 +262,7 @@ def _eos_ids(setup: BenchSetup) -> frozenset[int]:
 
 def _baseline_num_blocks(setup: BenchSetup) -> int | None:
     """Baselines get the cache labkit's runner would size on the CPU; on a GPU both size from free memory."""
-    from labkit.runner import cpu_cache_blocks, resolve_device
+    from labkit.runtime.runner import cpu_cache_blocks, resolve_device
 
     cfg = setup.config
     if cfg.num_blocks is not None:
@@ -300,7 +300,7 @@ def _unavailable(mode: str, setup: BenchSetup, online: bool) -> str | None:
     if mode in OFFLINE_MODES and online:
         return "it serves offline only (every request at t=0); drop --rate or this mode"
     if mode == "vllm":
-        from labkit.baselines import import_vllm
+        from labkit.serving.baselines import import_vllm
 
         try:
             import_vllm()
@@ -315,7 +315,7 @@ def _unavailable(mode: str, setup: BenchSetup, online: bool) -> str | None:
 
 def _packing_note(model: Any, config: EngineConfig) -> str:
     """Whether labkit's modes multiply by oneDNN-packed weights; the transformers modes never do."""
-    from labkit.packed import PackedLinears
+    from labkit.runtime.packed import PackedLinears
 
     return ", labkit linears oneDNN-packed" if config.pack_weights and PackedLinears.supported(model) else ""
 
@@ -421,7 +421,7 @@ def load_model(spec: str, config: EngineConfig | None = None) -> tuple[Any, Any]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from labkit.runner import resolve_device, resolve_dtype
+    from labkit.runtime.runner import resolve_device, resolve_dtype
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype) or (torch.float32 if device.type == "cpu" else torch.bfloat16)
@@ -447,8 +447,8 @@ def special_token_ids(model: Any, tokenizer: Any) -> set[int]:
 def device_name(setup: BenchSetup) -> str:
     if setup.simulated:
         return f"simulated ({setup.model.cost_model.name})"
-    from labkit.runner import device_name as runner_device_name
-    from labkit.runner import resolve_device
+    from labkit.runtime.runner import device_name as runner_device_name
+    from labkit.runtime.runner import resolve_device
 
     return runner_device_name(resolve_device(setup.config.device))
 
@@ -757,7 +757,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-pack-weights",
         action="store_true",
-        help="labkit modes on a CPU: multiply by the model's own weights, not oneDNN-packed copies (labkit.packed)",
+        help="labkit modes on a CPU: multiply by the model's own weights, not oneDNN-packed copies (runtime.packed)",
     )
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (real models)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (real models)")
@@ -803,7 +803,7 @@ def main(argv: list[str] | None = None) -> int:
                 f" ({config.max_batch_tokens}): each request of a batch needs a token of every step"
             )
         if args.html is not None:
-            from labkit.bench_report import require_plotly
+            from labkit.serving.bench_html import require_plotly
 
             require_plotly()
         if args.model.partition(":")[0] != "sim":
@@ -914,7 +914,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(data, indent=1))
         console.print(f"results written to {args.json}")
     if args.html is not None:
-        from labkit.bench_report import write_html
+        from labkit.serving.bench_html import write_html
 
         write_html(args.html, data)
         console.print(f"report written to {args.html}")

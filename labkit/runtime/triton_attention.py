@@ -122,6 +122,7 @@ def _paged_attention_kernel(
     WINDOW: tl.constexpr,
     DECODE_ONLY: tl.constexpr,
     PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
     """Program (query tile, KV head): attention of up to BLOCK_Q query rows x GROUP heads over their context."""
     pid = tl.program_id(0)
@@ -148,6 +149,8 @@ def _paged_attention_kernel(
     d_ok = d < HEAD_DIM
     q_offset = (q_begin + q_local).to(tl.int64)[:, None] * stride_query_token + head[:, None] * stride_query_head
     q = tl.load(query_ptr + q_offset + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
     position = context + q_local  # each row's position; it sees keys <= position
 
     # Keys any row of the tile may see: [first, end).
@@ -166,6 +169,8 @@ def _paged_attention_kernel(
         block = tl.load(block_tables_ptr + seq * stride_block_table + j // BLOCK_SIZE, mask=j_ok, other=0)
         kv_offset = cache_head + block.to(tl.int64) * stride_cache_block + (j % BLOCK_SIZE) * stride_cache_slot
         k = tl.load(key_cache_ptr + kv_offset[None, :] + d[:, None], mask=j_ok[None, :] & d_ok[:, None], other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
         scores = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # (BLOCK_M, TILE), log2 units
         visible = j_ok[None, :] & (j[None, :] <= position[:, None])
         if WINDOW > 0:
@@ -178,6 +183,8 @@ def _paged_attention_kernel(
         p = tl.exp2(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(value_cache_ptr + kv_offset[:, None] + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_FP32:
+            v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a row with no keys (a padded row) gets zeros
@@ -282,6 +289,8 @@ def paged_attention(
         DECODE_ONLY=decode_only,
         # fp32 runs are parity checks: full-precision dots, not TF32.
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        # Triton's CPU interpreter multiplies bfloat16 matrices wrongly: it gets them in float32.
+        DOT_FP32=query.dtype == torch.bfloat16 and query.device.type == "cpu",
     )
     return out
 

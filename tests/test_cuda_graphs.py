@@ -54,9 +54,10 @@ def test_same_tokens_after_preemption(model: torch.nn.Module) -> None:
     prompts = workload(12, (20, 80), seed=2)
     wanted = [60] * 12
     options = dict(max_num_seqs=12, num_blocks=40, block_size=16)
-    engine, graphed = run(model, prompts, wanted, **options)
+    _, graphed = run(model, prompts, wanted, **options)
     preempted: list[int] = []
-    eager_engine = Engine(model, EngineConfig(device="cuda", attention_backend="triton", use_cuda_graph=False, **options))
+    config = EngineConfig(device="cuda", attention_backend="triton", use_cuda_graph=False, **options)
+    eager_engine = Engine(model, config)
     eager_engine.step_listeners.append(lambda report: preempted.extend(report.preempted))
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in wanted]
     eager = [o.output_token_ids for o in eager_engine.generate(prompts, params)]

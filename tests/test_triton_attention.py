@@ -18,12 +18,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from labkit import Engine, EngineConfig, SamplingParams  # noqa: E402
-from labkit.models.random import random_model  # noqa: E402
-from labkit.runtime import triton_attention  # noqa: E402
-from labkit.runtime.attention import PagedKVCache, Segment, build_paged_batch, paged_attention_forward  # noqa: E402
-from labkit.runtime.cuda_graphs import bucket_sizes  # noqa: E402
-from labkit.runtime.triton_attention import (  # noqa: E402
+from labkit import Engine, EngineConfig, SamplingParams
+from labkit.models.random import random_model
+from labkit.runtime import triton_attention
+from labkit.runtime.attention import PagedKVCache, Segment, build_paged_batch, paged_attention_forward
+from labkit.runtime.cuda_graphs import bucket_sizes
+from labkit.runtime.triton_attention import (
     StepUploader,
     build_triton_batch,
     store_kv,
@@ -38,9 +38,7 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 LAYER = SimpleNamespace(layer_idx=0)
 
 
-def random_step(
-    rng: random.Random, specs: list[tuple[int, int]], block_size: int, num_blocks: int
-) -> list[Segment]:
+def random_step(rng: random.Random, specs: list[tuple[int, int]], block_size: int, num_blocks: int) -> list[Segment]:
     """Segments for (cached tokens, new tokens) pairs, each over randomly chosen, disjoint blocks."""
     free = list(range(num_blocks))
     rng.shuffle(free)
@@ -177,5 +175,7 @@ def test_engine_triton_backend_matches_torch_and_graph_replays() -> None:
     wanted = [3, 9, 14, 5, 18, 7]
     expected, _ = generate(model, prompts, wanted, attention_backend="torch")
     assert generate(model, prompts, wanted, attention_backend="triton", use_cuda_graph=False) == (expected, 0)
-    tokens, preemptions = generate(model, prompts, wanted, attention_backend="triton", use_cuda_graph=True, num_blocks=9)
+    tokens, preemptions = generate(
+        model, prompts, wanted, attention_backend="triton", use_cuda_graph=True, num_blocks=9
+    )
     assert tokens == expected and preemptions > 0

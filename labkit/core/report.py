@@ -49,6 +49,7 @@ class StepReport:
     block_size: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    gpu_util: float | None = None  # GPU utilisation (%) that a listener sampled from NVML after the step, if any
 
     @property
     def end_time(self) -> float:

@@ -93,7 +93,7 @@ def _find_request(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # one compiled kernel for every batch size
 def _paged_attention_kernel(
     out_ptr,
     query_ptr,

@@ -179,3 +179,20 @@ def test_engine_triton_backend_matches_torch_and_graph_replays() -> None:
         model, prompts, wanted, attention_backend="triton", use_cuda_graph=True, num_blocks=9
     )
     assert tokens == expected and preemptions > 0
+
+
+def test_backend_and_graph_options_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from labkit.runtime.runner import resolve_attention_backend, resolve_use_cuda_graph
+
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(attention_backend="flash")
+    with pytest.raises(TypeError, match="use_cuda_graph"):
+        EngineConfig(use_cuda_graph="yes")
+    cpu = torch.device("cpu")
+    assert resolve_attention_backend("auto", cpu) == "torch"  # the CPU path never changes by default
+    assert resolve_use_cuda_graph(None, "torch", cpu) is False
+    with pytest.raises(ValueError, match="needs attention_backend='triton'"):
+        resolve_use_cuda_graph(True, "torch", cpu)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        resolve_attention_backend("triton", cpu)

@@ -223,6 +223,9 @@ def check_kernel(settings: Settings, part: dict[str, Any]) -> bool:
     if not HAS_TRITON:
         part["skipped"] = "triton is not installed"
         return True
+    if settings.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        part["skipped"] = "on a CPU the kernel runs only under TRITON_INTERPRET=1 (pass --device cpu)"
+        return True
     from labkit.runtime.attention import PagedKVCache, Segment, build_paged_batch, paged_attention_forward
     from labkit.runtime.triton_attention import StepUploader, build_triton_batch, triton_attention_forward
 

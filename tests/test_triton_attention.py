@@ -1,8 +1,8 @@
 """The Triton paged-attention kernels against the plain-torch path, on random inputs.
 
 On CUDA the kernels run natively; elsewhere through Triton's interpreter, which must be switched on
-before the kernels are defined (hence the environment variable set before the import below). Shapes
-stay small so that the interpreter finishes quickly.
+before triton is first imported (conftest.py sets TRITON_INTERPRET=1 on machines without an NVIDIA GPU;
+the line below covers running this file alone). Shapes stay small so that the interpreter finishes quickly.
 """
 
 from __future__ import annotations

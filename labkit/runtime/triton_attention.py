@@ -74,25 +74,6 @@ def _store_kv_kernel(
     tl.store(value_cache_ptr + cache_offset, value, mask=mask)
 
 
-@triton.jit
-def _find_request(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
-    """The request whose query tiles include program ``pid``: binary search over the tile starts.
-
-    Request ``s``'s tiles start at ``query_start_loc[s] // BLOCK_Q + s``: at least one tile per request,
-    and enough for its ``q_len`` rows, whatever its alignment. The grid has ``T // BLOCK_Q + N`` programs.
-    """
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if start <= pid:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
-
-
 @triton.jit(do_not_specialize=["num_seqs"])  # one compiled kernel for every batch size
 def _paged_attention_kernel(
     out_ptr,
@@ -131,7 +112,17 @@ def _paged_attention_kernel(
         seq = pid
         q_tile = 0
     else:
-        seq = _find_request(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
+        # Request s's tiles start at query_start_loc[s] // BLOCK_Q + s: at least one tile per request, and
+        # enough for its rows whatever their alignment (the grid has T // BLOCK_Q + N programs). Binary search.
+        lo = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= pid:
+                lo = mid + 1
+            else:
+                hi = mid
+        seq = lo - 1
         q_tile = pid - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
     q_begin = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin

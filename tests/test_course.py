@@ -92,7 +92,9 @@ def test_headers_follow_the_repository_url() -> None:
 
 def test_headers_read_the_project(tmp_path: Path) -> None:
     (tmp_path / "notebooks").mkdir()
-    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n[project.urls]\nRepository = "https://github.com/a/b"\n')
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "x"\n[project.urls]\nRepository = "https://github.com/a/b"\n'
+    )
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# 00 · T")])
     nbformat.write(nb, tmp_path / "notebooks" / "00_t.ipynb")
     assert notebook_headers.repository_url(tmp_path) == "https://github.com/a/b"

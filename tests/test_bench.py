@@ -310,7 +310,7 @@ def ran(monkeypatch):
             ["--modes", "labkit-static", "labkit-continuous", "--no-chunked-prefill", "--max-batch-tokens", "128"],
             "mode 'labkit-continuous' cannot serve this workload: request 0: prompt",
         ),
-        (["--rate", "1,2", "--num-blocks", "4"], "cannot serve this workload"),  # a sweep's workloads too
+        (["--rate", "1,2", "--num-blocks", "4"], "the whole KV cache holds 64 (4 blocks x 16) (arrivals 1/s)"),
     ],
 )
 def test_main_refuses_an_unservable_workload_before_running(options, message, ran, capsys):

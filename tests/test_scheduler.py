@@ -180,10 +180,12 @@ def test_bad_config_names_the_field(kwargs, error, match):
         (EngineConfig(block_size=4, num_blocks=4), 10, 8, r"needs 17 cache slots, but the whole KV cache holds 16"),
         (EngineConfig(block_size=4, num_blocks=4), 17, 1, r"prompt \(17 tokens\).*whole KV cache holds 16"),
         (
-            EngineConfig(block_size=4, num_blocks=64, max_batch_tokens=8, max_num_seqs=4, policy="static"),
+            EngineConfig(
+                block_size=4, num_blocks=64, max_batch_tokens=8, max_num_seqs=4, policy="static", chunked_prefill=False
+            ),
             9,
             1,
-            r"longer than max_batch_tokens \(8\)",
+            r"longer than max_batch_tokens \(8\); without chunked prefill",
         ),
         (
             EngineConfig(block_size=4, num_blocks=64, max_batch_tokens=8, max_num_seqs=4, chunked_prefill=False),
@@ -308,14 +310,15 @@ class EngineMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ the documented admission rule
     def fits(self, prompt_len: int, max_new_tokens: int) -> bool:
-        """A request can run iff its prompt + max_new_tokens - 1 tokens fit the whole cache, and, when it
-        must be computed in one step (static prefill, or no chunked prefill), the step's budget."""
+        """A request can run iff its prompt + max_new_tokens - 1 tokens fit the whole cache, and, without
+        chunked prefill, what must be computed in one step fits the step's budget: the prompt (static), or
+        everything the request may have to recompute after a preemption (continuous)."""
         needed = prompt_len + max_new_tokens - 1
         if needed > self.capacity:
             return False
-        if self.policy == "static":
-            return prompt_len <= self.config.max_batch_tokens
-        return self.chunked_prefill or needed <= self.config.max_batch_tokens
+        if self.chunked_prefill:
+            return True
+        return (prompt_len if self.policy == "static" else needed) <= self.config.max_batch_tokens
 
     def try_add(self, prompt: list[int], max_new_tokens: int) -> None:
         params = SamplingParams(max_new_tokens=max_new_tokens)

@@ -136,6 +136,7 @@ class Scheduler:
             self.waiting.remove(request)
         elif self.config.policy == "continuous":
             self.running.remove(request)
+            self.allocator.free(request_id)
         self._finish(request, "abort", now)
         if self.config.policy == "static":
             self._end_static_batch_if_done()
@@ -160,13 +161,18 @@ class Scheduler:
     def update(self, output: SchedulerOutput, sampled: Sequence[int], now: float) -> list[Request]:
         """Commit the planned step with the tokens the model produced (one per sampling chunk, in order).
 
-        It checks ``sampled`` before it changes anything, then applies the plan: the queues, each chunk's
+        What can fail comes first, while the allocator can still roll back: the check of ``sampled`` and
+        freeing the blocks of the requests this step finishes (a plugged-in allocator may raise). Then
+        the allocator commits and the plan is applied with plain assignments: the queues, each chunk's
         ``num_computed_tokens``, the new tokens. Returns the requests that finished.
         """
-        num_samples = sum(1 for chunk in output.chunks if chunk.samples)
-        if len(sampled) != num_samples:
-            raise ValueError(f"the step samples {num_samples} tokens, but the model returned {len(sampled)}")
-        self.allocator.commit()
+        sampling = [chunk.request for chunk in output.chunks if chunk.samples]
+        if len(sampled) != len(sampling):
+            raise ValueError(f"the step samples {len(sampling)} tokens, but the model returned {len(sampled)}")
+        reasons = [request.finish_reason_for(token) for request, token in zip(sampling, sampled, strict=True)]
+        ends_batch = self._free_finished(output, [r for r, reason in zip(sampling, reasons, strict=True) if reason])
+        self.allocator.commit()  # the point of no return
+
         self.step_index = output.step
         if output.preempted:  # they were the end of the running list
             del self.running[len(self.running) - len(output.preempted) :]
@@ -181,27 +187,46 @@ class Scheduler:
             self.waiting.appendleft(victim)
 
         finished = []
-        tokens = iter(sampled)
+        results = zip(sampled, reasons, strict=True)
         for chunk in output.chunks:
             request = chunk.request
             request.num_computed_tokens = chunk.start + chunk.num_tokens
             if not chunk.samples:
                 continue
+            token, reason = next(results)
             metrics = request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.token_times.append(now)
             request.state = RequestState.DECODING
-            reason = request.append_token(next(tokens))
+            request.output_token_ids.append(token)
             if reason is not None:
                 self._finish(request, reason, now)
                 finished.append(request)
-        if finished:
-            if self.config.policy == "continuous":
-                self.running = [r for r in self.running if r.state is not RequestState.FINISHED]
-            else:
-                self._end_static_batch_if_done()
+        if finished and self.config.policy == "continuous":
+            self.running = [r for r in self.running if r.state is not RequestState.FINISHED]
+        elif ends_batch:
+            self.running = []
         return finished
+
+    def _free_finished(self, output: SchedulerOutput, finishing: list[Request]) -> bool:
+        """Free the blocks this step gives back; return whether it ends the static batch.
+
+        Continuous batching frees a finished request's blocks at once; a static batch keeps every
+        member's blocks until its last member finishes.
+        """
+        if self.config.policy == "continuous":
+            for request in finishing:
+                self.allocator.free(request.request_id)
+            return False
+        if not finishing:
+            return False
+        batch = self.running or output.admitted
+        if any(r.state is not RequestState.FINISHED and r not in finishing for r in batch):
+            return False
+        for request in batch:
+            self.allocator.free(request.request_id)
+        return True
 
     # ------------------------------------------------------------------ continuous batching
     def _schedule_continuous(self) -> SchedulerOutput:
@@ -305,5 +330,3 @@ class Scheduler:
         request.finish_reason = reason
         request.metrics.finish_time = now
         del self.requests[request.request_id]
-        if self.config.policy == "continuous" and request.request_id in self.allocator.block_tables:
-            self.allocator.free(request.request_id)

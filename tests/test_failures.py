@@ -18,46 +18,9 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import Boom, engine_state
 
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel
-
-
-class Boom(Exception):
-    """The injected failure."""
-
-
-def engine_state(engine: Engine) -> tuple:
-    """Everything a step may change: the scheduler, the allocator and every request."""
-    scheduler, allocator = engine.scheduler, engine.allocator
-    requests = [
-        (
-            r.request_id,
-            r.state,
-            r.num_computed_tokens,
-            list(r.output_token_ids),
-            r.finish_reason,
-            r.metrics.num_preemptions,
-            r.metrics.first_scheduled_time,
-            r.metrics.first_token_time,
-            list(r.metrics.token_times),
-            r.metrics.finish_time,
-        )
-        for r in engine.requests.values()
-    ]
-    return (
-        scheduler.step_index,
-        [r.request_id for r in scheduler.waiting],
-        [r.request_id for r in scheduler.running],
-        sorted(scheduler.requests),
-        list(allocator.free_blocks),
-        {rid: list(table) for rid, table in allocator.block_tables.items()},
-        dict(allocator.num_slots),
-        list(allocator.ref_counts),
-        list(allocator.events),
-        allocator.step,
-        requests,
-        [r.request_id for r in engine._aborted],
-    )
 
 
 def without_times(report: Any) -> dict:

@@ -1,13 +1,15 @@
 """The scheduler: policy rules on hand-worked examples, bad input, and random runs checked step by step.
 
 The random runs drive a real Engine with a SimulatedModel through any interleaving of "add a request",
-"step" and "abort", on caches of a few blocks, and check after every operation that the KV-cache
-bookkeeping is sound and that every step respects the token budget.
+"step", "a step that fails" and "abort", on caches of a few blocks, and check after every operation that
+the KV-cache bookkeeping is sound, that every step respects the token budget, and that a failed step
+changed nothing.
 """
 
 import functools
 
 import pytest
+from conftest import Boom, engine_state
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -346,7 +348,33 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self):
-        report = self.engine.step()
+        self.check(self.engine.step())
+
+    @rule(where=st.sampled_from(["before the model", "after the model", "in the allocator"]))
+    def step_that_fails(self, where):
+        # Any exception before the commit rolls the step back; the final outputs (teardown) must not notice.
+        engine = self.engine
+        target, name = (engine.allocator, "allocate") if where == "in the allocator" else (engine.runner, "execute")
+        real = getattr(target, name)
+
+        def failing(*args):
+            if where != "before the model":
+                real(*args)  # the work is done (blocks taken, clock advanced), then it fails
+            raise Boom(where)
+
+        setattr(target, name, failing)
+        before = engine_state(engine)
+        try:
+            report = engine.step()
+        except Boom:
+            event(f"a step failed {where}")
+            assert engine_state(engine) == before
+        else:  # nothing called it (an empty step, or one that took no new blocks)
+            self.check(report)
+        finally:
+            delattr(target, name)
+
+    def check(self, report):
         config = self.config
         computed = sum(w.num_tokens for w in report.scheduled)
         assert computed + report.wasted_slots <= config.max_batch_tokens, "step went over the token budget"

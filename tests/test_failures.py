@@ -365,3 +365,45 @@ def test_max_num_seqs_follows_a_small_budget_unless_set():
     engine = Engine(SimulatedModel(), EngineConfig(block_size=4, num_blocks=16, max_batch_tokens=2))
     outputs = engine.generate([[5, 6, 7]] * 3, SamplingParams(max_new_tokens=2))
     assert all(o.finish_reason == "length" for o in outputs)
+
+
+def test_a_request_whose_blocks_a_failed_step_reused_is_recomputed(model):
+    # A step preempts to make room, the forward pass writes other requests' keys and values into the freed
+    # blocks, then fails. The rollback gives the victims their blocks back, but not their contents; the
+    # requests that wrote there are aborted before the retry, so the retry would have no reason to preempt.
+    # The victims must still be evicted and recomputed: their tokens are the undisturbed run's.
+    config = EngineConfig(block_size=8, num_blocks=10, max_batch_tokens=24, max_num_seqs=4, dtype=torch.float32)
+    prompts, params = model_workload(model, seed=1, sampled=False)
+    expected = [o.output_token_ids for o in Engine(model, config).generate(prompts, params)]
+    engine = Engine(model, config)
+    ids = [engine.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+    plans, real_execute, real_forward = [], engine.runner.execute, engine.runner._forward
+
+    def execute(output: Any, allocator: Any) -> list[int]:
+        plans.append(output)
+        return real_execute(output, allocator)
+
+    def forward(*args: Any) -> Any:
+        logits = real_forward(*args)
+        if plans[-1].preempted:
+            raise Boom("after the forward pass of a step that preempted")
+        return logits
+
+    engine.runner.execute, engine.runner._forward = execute, forward
+    with pytest.raises(Boom):
+        for _ in range(100):
+            engine.step()
+    engine.runner._forward = real_forward
+    failed = plans[-1]
+    victims = {r.request_id for r in failed.preempted}
+    writers = {c.request.request_id for c in failed.chunks} - victims
+    for request_id in writers:
+        engine.abort(request_id)
+    assert victims and writers
+    retry = engine.step()
+    assert retry.preempted == [r.request_id for r in failed.preempted]  # evicted first, as the failed step did
+    while engine.has_unfinished():
+        engine.step()
+    for request_id in victims:
+        assert engine.requests[request_id].output_token_ids == expected[ids.index(request_id)]
+    assert engine.num_free_blocks == engine.num_blocks

@@ -4,6 +4,10 @@ The model side is a *runner*: an object that owns the KV cache and turns a Sched
 sampled token per finished chunk. A transformers model gets labkit's torch ModelRunner; a
 SimulatedModel gets a runner that only advances a simulated clock. Allocator and scheduler classes
 can be swapped (``allocator_cls=``, ``scheduler_cls=``), which is how the exercises plug in.
+
+A step is all or nothing (``Engine.step``). A plugged-in scheduler keeps that promise by changing
+requests and queues only in ``update`` (``schedule`` plans); a plugged-in allocator by changing its
+state through BlockAllocator's methods, or journalling its own (``BlockAllocator.record_undo``).
 """
 
 from __future__ import annotations
@@ -168,6 +172,7 @@ class Engine:
         commit: one that raises does not undo the step.
         """
         scheduler = self.scheduler
+        output = None
         try:
             output = scheduler.schedule()
             start = self.clock()
@@ -175,7 +180,7 @@ class Engine:
             end = self.clock()
             finished = scheduler.update(output, sampled, end)  # the commit
         except BaseException:
-            scheduler.rollback()
+            scheduler.rollback(output)
             raise
         for request in output.admitted:
             if request.metrics.first_scheduled_time is None:

@@ -95,6 +95,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.requests: dict[int, Request] = {}  # every unfinished request, by id
         self.step_index = 0
+        self.evict_first: list[Request] = []  # preempted by a step that failed: see rollback()
 
     # ------------------------------------------------------------------ requests in and out
     def check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
@@ -154,9 +155,16 @@ class Scheduler:
             return self._schedule_static()
         return self._schedule_continuous()
 
-    def rollback(self) -> None:
-        """Forget the planned step: put the allocator back as it was before ``schedule()``."""
+    def rollback(self, output: SchedulerOutput | None = None) -> None:
+        """Forget the planned step: put the allocator back as it was before ``schedule()``.
+
+        What the model wrote into the KV cache cannot be rolled back: if the step preempted requests,
+        their blocks may now hold other requests' keys and values. So the next plan evicts them first,
+        as the failed step did (when nothing changed in between, that is the very same plan).
+        """
         self.allocator.rollback()
+        if output is not None and output.preempted:
+            self.evict_first = list(output.preempted)
 
     def update(self, output: SchedulerOutput, sampled: Sequence[int], now: float) -> list[Request]:
         """Commit the planned step with the tokens the model produced (one per sampling chunk, in order).
@@ -169,11 +177,13 @@ class Scheduler:
         sampling = [chunk.request for chunk in output.chunks if chunk.samples]
         if len(sampled) != len(sampling):
             raise ValueError(f"the step samples {len(sampling)} tokens, but the model returned {len(sampled)}")
-        reasons = [request.finish_reason_for(token) for request, token in zip(sampling, sampled, strict=True)]
-        ends_batch = self._free_finished(output, [r for r, reason in zip(sampling, reasons, strict=True) if reason])
+        reasons = list(map(Request.finish_reason_for, sampling, sampled))
+        finishing = [r for r, why in zip(sampling, reasons, strict=True) if why] if any(reasons) else []
+        ends_batch = self._free_finished(output, finishing)
         self.allocator.commit()  # the point of no return
 
         self.step_index = output.step
+        self.evict_first = []
         if output.preempted:  # they were the end of the running list
             del self.running[len(self.running) - len(output.preempted) :]
         self.running.extend(output.admitted)
@@ -235,6 +245,11 @@ class Scheduler:
         budget = cfg.max_batch_tokens
 
         i, end_of_running = 0, len(running)  # victims leave from the end: running[end_of_running:]
+        for victim in self.evict_first:  # still the end of the running list, unless aborted since
+            if victim.state is not RequestState.FINISHED:
+                end_of_running -= 1
+                allocator.free(victim.request_id)
+                output.preempted.append(victim)
         while i < end_of_running and budget > 0:
             request = running[i]
             remaining = request.num_tokens - request.num_computed_tokens
@@ -279,9 +294,9 @@ class Scheduler:
         batch = self.running or self._form_static_batch(output)
         if not batch:
             return output
-        longest = max(r.num_prompt_tokens for r in batch)
-        done = max(r.num_computed_tokens for r in batch)  # prompt columns computed in every row
-        if done < longest:  # prefill the next columns of the padded batch (all of them, unless it is one long prompt)
+        if any(r.num_computed_tokens < r.num_prompt_tokens for r in batch):  # prefill the padded batch's next columns
+            longest = max(r.num_prompt_tokens for r in batch)
+            done = max(r.num_computed_tokens for r in batch)  # prompt columns computed in every row
             width = min(self.config.max_batch_tokens // len(batch), longest - done)
             for request in batch:
                 real = min(done + width, request.num_prompt_tokens) - done

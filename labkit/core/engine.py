@@ -204,8 +204,10 @@ class Engine:
         ``prompts`` is a list of prompts (texts or lists of token ids); a single text is one prompt. A
         flat list of ints is refused (wrap it: ``[[5, 6, 7]]``), since it could mean one prompt or many.
         ``params`` is one SamplingParams for all prompts or a list with one per prompt. If any prompt is
-        invalid, none is queued. If anything raises while they run (KeyboardInterrupt included), the
-        requests of this call are aborted and forgotten, their blocks freed, and the exception propagates.
+        invalid, none is queued and nothing is left behind. If anything raises while they run
+        (KeyboardInterrupt included), the requests of this call are aborted and dropped from
+        ``requests``, their blocks freed, and the exception propagates; the next StepReport lists them
+        as aborted, as after ``abort()``, so a widget that saw them run sees them end.
         """
         if isinstance(prompts, str):
             prompts = [prompts]

@@ -245,12 +245,9 @@ class Scheduler:
         budget = cfg.max_batch_tokens
 
         i, end_of_running = 0, len(running)  # victims leave from the end: running[end_of_running:]
-        for victim in self.evict_first:  # still the end of the running list, unless aborted since
-            if victim.state is not RequestState.FINISHED:
-                end_of_running -= 1
-                allocator.free(victim.request_id)
-                output.preempted.append(victim)
-        while i < end_of_running and budget > 0:
+        # A failed step's victims (still the end of the list, unless aborted since) must not run.
+        end_of_runnable = end_of_running - sum(1 for r in self.evict_first if r.state is not RequestState.FINISHED)
+        while i < end_of_runnable and budget > 0:
             request = running[i]
             remaining = request.num_tokens - request.num_computed_tokens
             num_tokens = min(remaining, budget)
@@ -261,15 +258,17 @@ class Scheduler:
             needed = allocator.blocks_needed(request.request_id, end)  # usually 0: decodes fill the last block
             while needed > allocator.num_free_blocks and end_of_running > i:
                 end_of_running -= 1
-                victim = running[end_of_running]  # the most recently admitted
-                allocator.free(victim.request_id)  # recomputed from scratch later
-                output.preempted.append(victim)
+                self._preempt(output, running[end_of_running])  # the most recently admitted
             if end_of_running == i:  # preempted itself: nothing younger was left
                 break
+            end_of_runnable = min(end_of_runnable, end_of_running)
             allocator.allocate(request.request_id, end)
             output.add_chunk(request, request.num_computed_tokens, num_tokens, request.state is RequestState.PREFILLING)
             budget -= num_tokens
             i += 1
+        while end_of_running > end_of_runnable:  # the failed step's victims that nothing has evicted yet
+            end_of_running -= 1
+            self._preempt(output, running[end_of_running])
 
         # Admit new work only when nothing had to be preempted: otherwise we would evict and admit at once.
         seats = cfg.max_num_seqs - len(running)
@@ -287,6 +286,11 @@ class Scheduler:
             output.add_chunk(request, 0, num_tokens, True)
             budget -= num_tokens
         return output
+
+    def _preempt(self, output: SchedulerOutput, victim: Request) -> None:
+        """Plan to preempt ``victim``: its blocks are freed now, it is recomputed from scratch later."""
+        self.allocator.free(victim.request_id)
+        output.preempted.append(victim)
 
     # ------------------------------------------------------------------ static batching
     def _schedule_static(self) -> SchedulerOutput:

@@ -1,4 +1,4 @@
-"""Shared fixtures. Tests run offline; torch tests build tiny random-weight models on one thread."""
+"""Shared fixtures and helpers. Tests run offline; torch tests build tiny random-weight models on one thread."""
 
 from __future__ import annotations
 
@@ -40,3 +40,41 @@ def tiny_model() -> Callable[..., Any]:
         return random_model(arch, "tiny", seed=seed, **{**TINY_SHAPE, **overrides})
 
     return make
+
+
+class Boom(Exception):
+    """The injected failure."""
+
+
+def engine_state(engine: Any) -> tuple:
+    """Everything a step may change: the scheduler, the allocator and every request."""
+    scheduler, allocator = engine.scheduler, engine.allocator
+    requests = [
+        (
+            r.request_id,
+            r.state,
+            r.num_computed_tokens,
+            list(r.output_token_ids),
+            r.finish_reason,
+            r.metrics.num_preemptions,
+            r.metrics.first_scheduled_time,
+            r.metrics.first_token_time,
+            list(r.metrics.token_times),
+            r.metrics.finish_time,
+        )
+        for r in engine.requests.values()
+    ]
+    return (
+        scheduler.step_index,
+        [r.request_id for r in scheduler.waiting],
+        [r.request_id for r in scheduler.running],
+        sorted(scheduler.requests),
+        list(allocator.free_blocks),
+        {rid: list(table) for rid, table in allocator.block_tables.items()},
+        dict(allocator.num_slots),
+        list(allocator.ref_counts),
+        list(allocator.events),
+        allocator.step,
+        requests,
+        [r.request_id for r in engine._aborted],
+    )

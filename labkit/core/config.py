@@ -7,6 +7,7 @@ from typing import Any
 
 POLICIES = ("continuous", "static")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DEFAULT_MAX_NUM_SEQS = 64
 
 
 @dataclass
@@ -14,7 +15,9 @@ class EngineConfig:
     """How the engine batches requests and how big its KV cache is.
 
     ``max_batch_tokens`` is the per-step token budget shared by prefill chunks and decode tokens
-    (vLLM's ``max_num_batched_tokens``); ``max_num_seqs`` caps how many requests run at once.
+    (vLLM's ``max_num_batched_tokens``); ``max_num_seqs`` caps how many requests run at once. Every
+    running request needs a token of the budget, so ``max_num_seqs`` may not exceed ``max_batch_tokens``:
+    left unset (None) it becomes ``min(64, max_batch_tokens)``; a value you set is checked.
     ``num_blocks=None`` lets the runner size the cache from memory: on CUDA 90% of what is free after
     the weights and a warm-up step, on CPU a fixed 256 MiB (never most of RAM). ``device="auto"`` is
     CUDA when present, else CPU; ``dtype=None`` keeps the model's dtype. ``pack_weights`` lets a CPU
@@ -29,7 +32,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     max_batch_tokens: int = 512
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = None  # None: min(DEFAULT_MAX_NUM_SEQS, max_batch_tokens)
     policy: str = "continuous"
     chunked_prefill: bool = True
     device: str = "auto"
@@ -39,8 +42,11 @@ class EngineConfig:
     use_cuda_graph: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_batch_tokens", "max_num_seqs"):
+        for name in ("block_size", "max_batch_tokens"):
             _check_positive_int(name, getattr(self, name))
+        if self.max_num_seqs is None:
+            self.max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, self.max_batch_tokens)
+        _check_positive_int("max_num_seqs", self.max_num_seqs)
         if self.num_blocks is not None:
             _check_positive_int("num_blocks", self.num_blocks)
         if self.max_num_seqs > self.max_batch_tokens:

@@ -132,12 +132,11 @@ class Request:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
-    def append_token(self, token: int) -> str | None:
-        """Record a generated token and return the finish reason it causes, if any."""
-        self.output_token_ids.append(token)
+    def finish_reason_for(self, token: int) -> str | None:
+        """The finish reason that generating ``token`` next would cause, if any."""
         if token in self.stop_ids:
             return "stop"
-        if len(self.output_token_ids) >= self.params.max_new_tokens:
+        if len(self.output_token_ids) + 1 >= self.params.max_new_tokens:
             return "length"
         return None
 

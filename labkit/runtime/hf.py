@@ -80,8 +80,6 @@ def generate_batch(
     unknown = sorted(set(options) - known)
     if unknown:
         raise TypeError(f"unknown engine options {unknown}; EngineConfig fields are {sorted(known)}")
-    if "max_num_seqs" not in options:  # the default (64) may exceed a small token budget
-        options["max_num_seqs"] = min(EngineConfig.max_num_seqs, options.get("max_batch_tokens", 512))
 
     params = _sampling_params(generation_config, max_new_tokens)
     engine = Engine(model, EngineConfig(**options))

@@ -73,7 +73,11 @@ def sample_rows(
     ``top_k == 0`` and ``top_p == 1`` switch the filters off; ``uniform`` holds one number in [0, 1) per row.
     """
     vocab = logits.shape[-1]
-    scaled = logits / temperature[:, None]
+    # Shifted so the largest logit is 0: the others stay <= 0 however small the temperature, so they can
+    # only underflow to probability 0 (never overflow to inf and NaN), and a tiny temperature tends to greedy.
+    # The clamp keeps a temperature below float32's range from rounding to 0.
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    scaled = shifted / temperature.clamp(min=torch.finfo(logits.dtype).tiny)[:, None]
     sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=logits.device)
     keep_k = torch.where(top_k > 0, top_k, vocab)

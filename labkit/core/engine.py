@@ -13,6 +13,8 @@ state through BlockAllocator's methods, or journalling its own (``BlockAllocator
 from __future__ import annotations
 
 import itertools
+import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -121,14 +123,18 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         token_ids = self._prompt_token_ids(prompt)
+        vocab = self.runner.vocab_size
+        for token in params.stop_token_ids:
+            if not 0 <= token < vocab:
+                raise ValueError(f"stop token id {token} is outside the vocabulary [0, {vocab})")
         if len(token_ids) + params.max_new_tokens - 1 > self.runner.max_model_len:
             raise ValueError(
                 f"prompt ({len(token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds"
                 f" the model's maximum length ({self.runner.max_model_len})"
             )
         self.scheduler.check_fits(len(token_ids), params.max_new_tokens)
+        now = self.clock() if arrival_time is None else _arrival_time(arrival_time)
         request_id = next(self._ids)
-        now = self.clock() if arrival_time is None else arrival_time
         request = Request(
             request_id,
             token_ids,
@@ -317,6 +323,15 @@ class Engine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
         )
+
+
+def _arrival_time(value: object) -> float:
+    """A finite real number (numpy's included) as a float: metrics subtract it from the step times."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"arrival_time must be a number (seconds on the engine's clock), got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"arrival_time must be a finite number, got {value}")
+    return float(value)
 
 
 def _progress_bar(total: int) -> Any:

@@ -11,10 +11,12 @@ the caller chose (benchmarks pin it to 1).
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import platform
 import time
+import weakref
 from contextlib import nullcontext
 from typing import Any
 
@@ -40,22 +42,33 @@ CPU_CACHE_BYTES = 256 * 2**20
 CUDA_MEMORY_FRACTION = 0.9
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The live runners of each model: a second runner may convert a model only while no other one uses it.
+_RUNNERS: weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet[ModelRunner]] = weakref.WeakKeyDictionary()
 
 
 class ModelRunner:
     """Owns a transformers model and its paged KV cache, and turns a SchedulerOutput into sampled tokens.
 
-    The model is moved to the configured device and dtype in place (``nn.Module.to``). Its attention is
-    switched to labkit's paged attention only while a step runs, so ``model.generate`` still works; on a
-    CPU its linear layers likewise run on oneDNN-packed weights during a step (labkit.runtime.packed).
+    The model is moved to the configured device and dtype in place (``nn.Module.to``). While another live
+    runner uses the model, a runner that would convert it to another device or dtype is refused: the other
+    runner's cache and packed weights were made for the old one. Its attention is switched to labkit's paged
+    attention only while a step runs, so ``model.generate`` still works; on a CPU its linear layers likewise
+    run on oneDNN-packed weights during a step (labkit.runtime.packed).
     """
 
     def __init__(self, model: Any, config: EngineConfig) -> None:
         if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+        output_embeddings = getattr(model, "get_output_embeddings", None)
+        if output_embeddings is None or output_embeddings() is None:
+            raise TypeError(
+                f"{type(model).__name__} has no LM head: a base model computes hidden states, not next-token"
+                " logits. Load a causal LM (transformers' AutoModelForCausalLM, or labkit.models.load)"
+            )
         self.config = config
         self.device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype)
+        _check_conversion(model, self.device, dtype)
         self.model = model.to(device=self.device, dtype=dtype).eval()
         self.dtype = next(model.parameters()).dtype
         text = model.config.get_text_config()
@@ -92,6 +105,7 @@ class ModelRunner:
             with torch.inference_mode():
                 max_blocks = -(-self.max_model_len // block_size)
                 self.graphs = DecodeGraphs(self._forward, self.cache, self.config.max_num_seqs, max_blocks)
+        _RUNNERS.setdefault(self.model, weakref.WeakSet()).add(self)  # from now on it needs the model as it is
         return num_blocks
 
     @torch.inference_mode()
@@ -203,8 +217,41 @@ def kv_bytes_per_block(model: Any, block_size: int) -> int:
 
 
 def cpu_cache_blocks(model: Any, block_size: int) -> int:
-    """Blocks of the KV cache that ``num_blocks=None`` gives on a CPU: CPU_CACHE_BYTES' worth."""
-    return max(1, CPU_CACHE_BYTES // kv_bytes_per_block(model, block_size))
+    """Blocks of the KV cache that ``num_blocks=None`` gives on a CPU: CPU_CACHE_BYTES' worth, never more.
+
+    ValueError if not even one block fits in that budget.
+    """
+    per_block = kv_bytes_per_block(model, block_size)
+    if per_block > CPU_CACHE_BYTES:
+        raise ValueError(
+            f"one KV-cache block of {block_size} tokens takes {per_block / 2**20:,.0f} MiB, more than the"
+            f" {CPU_CACHE_BYTES // 2**20} MiB that num_blocks=None gives the cache on a CPU: use a smaller"
+            " block_size, or set num_blocks"
+        )
+    return CPU_CACHE_BYTES // per_block
+
+
+def _check_conversion(model: Any, device: torch.device, dtype: torch.dtype | None) -> None:
+    """Refuse to convert a model in place to another device or dtype while a live runner depends on it."""
+    weight = next(model.parameters())
+    if _placed(device) == weight.device and dtype in (None, weight.dtype):
+        return  # nothing changes
+    gc.collect()  # an engine that is gone but sits in a reference cycle (a recorder) must not count
+    if _RUNNERS.get(model):
+        wanted = f"{dtype or weight.dtype} on {device}".replace("torch.", "")
+        current = f"{weight.dtype} on {weight.device}".replace("torch.", "")
+        raise ValueError(
+            f"the model runs in another Engine as {current}; an Engine with {wanted} would convert it in place"
+            " (nn.Module.to) and break that engine. Use the same device and dtype, delete the other engine"
+            " first, or load a second copy of the model"
+        )
+
+
+def _placed(device: torch.device) -> torch.device:
+    """Where ``.to(device)`` puts tensors: plain "cuda" means the current CUDA device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_device(device: Any) -> torch.device:

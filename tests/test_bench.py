@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import statistics
 import subprocess
@@ -119,6 +120,21 @@ def test_main_prints_table_and_writes_json(tmp_path, capsys):
         assert run["metrics"]["num_requests"] == len(run["requests"]) == 8
         assert run["metrics"]["num_steps"] == len(run["steps"])
         assert run["metrics"]["targets"] == {"ttft": 1.0}
+
+
+def test_max_num_seqs_follows_the_token_budget(capsys):
+    """Left unset, --max-num-seqs is EngineConfig's default, min(64, --max-batch-tokens): a small budget is accepted."""
+    from labkit.serving.bench.cli import build_parser, prepare
+
+    args = build_parser().parse_args(["--num-requests", "4", "--max-batch-tokens", "16"])
+    setup = prepare(args, Console(file=io.StringIO()))[0]
+    assert (setup.config.max_batch_tokens, setup.config.max_num_seqs) == (16, 16)
+    assert main(["--num-requests", "4", "--max-batch-tokens", "16", "--modes", "labkit-continuous"]) == 0
+    assert "labkit-continuous" in capsys.readouterr().out
+    args = build_parser().parse_args(["--num-requests", "4"])
+    assert prepare(args, Console(file=io.StringIO()))[0].config.max_num_seqs == 64
+    assert main(["--max-batch-tokens", "16", "--max-num-seqs", "32"]) == 2
+    assert "max_num_seqs (32) must be <= max_batch_tokens (16)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from typing import Any
 
 from rich.console import Console
 
-from labkit.core.config import EngineConfig
+from labkit.core.config import DEFAULT_MAX_NUM_SEQS, EngineConfig
 from labkit.core.sim import COST_PRESETS, SimulatedModel
 from labkit.serving.bench.checks import check_modes, check_output_paths, check_workload, expand_modes, unavailable
 from labkit.serving.bench.loading import device_name, load_model, special_token_ids, tokenize_workload, vocab_size
@@ -118,8 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-num-seqs",
         type=int,
-        default=defaults.max_num_seqs,
-        help="requests running at once (and the static batch size, unless --static-batch-size)",
+        default=None,  # EngineConfig's default, which follows the token budget
+        help="requests running at once, and the static batch size unless --static-batch-size"
+        f" (default min({DEFAULT_MAX_NUM_SEQS}, --max-batch-tokens))",
     )
     parser.add_argument(
         "--static-batch-size",

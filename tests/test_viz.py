@@ -28,6 +28,7 @@ from labkit.viz import (
     _display,
     record,
     request_spans,
+    show_figure,
     throughput_series,
 )
 from labkit.viz.blockmap import PALETTE, _colorscale
@@ -409,6 +410,23 @@ def test_display_falls_back_to_a_static_figure(monkeypatch: pytest.MonkeyPatch) 
         bundle = widget._repr_mimebundle_()
         assert _compat.WIDGET_VIEW_MIMETYPE in bundle and "text/html" not in bundle
     assert calls == [1]  # enabled once, before the first widget
+
+
+def test_show_figure_stores_the_figure_for_every_viewer(monkeypatch: pytest.MonkeyPatch) -> None:
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda bundle, raw: shown.append((bundle, raw)))
+    figure = go.Figure(go.Scatter(x=[1, 2, 3], y=[4, 5, 6]), layout={"title": "tokens/s"})
+    show_figure(figure)
+    [(bundle, raw)] = shown
+    assert raw and bundle["text/plain"] == "Figure: tokens/s"
+    assert bundle[_compat.PLOTLY_MIMETYPE]["data"][0]["y"] == [4, 5, 6]  # JupyterLab draws it interactively
+    assert 'class="plotly-graph-div"' in bundle["text/html"] and "cdn.plot.ly" in bundle["text/html"]
+
+    calls = []
+    monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    monkeypatch.setattr(go.Figure, "show", lambda self: calls.append(self))
+    show_figure(figure)
+    assert calls == [figure] and len(shown) == 1  # on Colab, plotly's own renderer
 
 
 def test_figure_view_without_figurewidget_redraws_an_output(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,10 +10,12 @@ trace saved on another machine, whether the engine ran a real model or the simul
     engine.generate(prompts)
     record(engine).save("run.json")    # later, anywhere: BlockMap("run.json")
 
-Each widget also gives a plain plotly figure (``.figure()``), shown where widgets cannot render.
+Each widget also gives a plain plotly figure (``.figure()``), shown where widgets cannot render; and
+``show_figure(fig)`` displays any plotly figure so that exports and kernel-less viewers draw it too.
 Needs plotly; the interactive parts need ipywidgets (7.7.1 on Colab, 8 elsewhere).
 """
 
+from labkit.viz._display import show_figure
 from labkit.viz.blockmap import BlockMap, request_color
 from labkit.viz.record import Recorder, RequestInfo, record
 from labkit.viz.replay import BlockCell, CacheHistory, CacheState, RequestRow
@@ -35,5 +37,6 @@ __all__ = [
     "record",
     "request_color",
     "request_spans",
+    "show_figure",
     "throughput_series",
 ]

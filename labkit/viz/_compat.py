@@ -19,6 +19,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 WIDGET_VIEW_MIMETYPE = "application/vnd.jupyter.widget-view+json"
+PLOTLY_MIMETYPE = "application/vnd.plotly.v1+json"
 
 _colab_widgets_enabled = False
 
@@ -59,6 +60,16 @@ def widget_bundle(widget: Any) -> dict[str, Any]:
 def static_bundle(figure: go.Figure, text: str) -> dict[str, Any]:
     """A figure as HTML that needs no kernel (plotly.js from its CDN), for exports and kernel-less viewers."""
     return {"text/html": figure.to_html(full_html=False, include_plotlyjs="cdn"), "text/plain": text}
+
+
+def figure_bundle(figure: go.Figure) -> dict[str, Any]:
+    """A plain figure's display data: plotly's own mime type, which JupyterLab draws interactively, and the
+    static HTML beside it, which exports, the course's HTML site and other kernel-less viewers draw."""
+    import plotly.io as pio
+
+    title = figure.layout.title.text
+    static = static_bundle(figure, f"Figure: {title}" if title else "Figure")
+    return {**pio.renderers["plotly_mimetype"].to_mimebundle(figure.to_dict()), **static}
 
 
 def link_values(source: Any, target: Any, name: str = "value") -> None:

@@ -8,8 +8,28 @@ from typing import Any
 import plotly.graph_objects as go
 
 from labkit.core.report import StepReport
-from labkit.viz._compat import Throttle, in_colab, prepare_front_end, static_bundle, widget_bundle, widgets_enabled
+from labkit.viz._compat import (
+    Throttle,
+    figure_bundle,
+    in_colab,
+    prepare_front_end,
+    static_bundle,
+    widget_bundle,
+    widgets_enabled,
+)
 from labkit.viz.record import Recorder
+
+
+def show_figure(figure: go.Figure) -> None:
+    """Display a plotly figure that every viewer draws, unlike ``figure.show()``, whose output only a live
+    JupyterLab draws: the interactive figure and, beside it, static HTML for exports and kernel-less viewers.
+    On Colab, which saves its own output, plotly's own renderer."""
+    if in_colab():
+        figure.show()
+        return
+    from IPython.display import display
+
+    display(figure_bundle(figure), raw=True)
 
 
 class Displayable:

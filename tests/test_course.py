@@ -252,7 +252,7 @@ OTHER_SIZES: dict[str, dict[str, object]] = {
     "04_continuous_batching": {"num_requests": 8},
     "05_chunked_prefill": {"num_requests": 6},
     "06_preemption": {"num_requests": 4},
-    "07_serving_under_load": {"num_requests": 6, "sim_requests": 500, "whatif_requests": 200},
+    "07_serving_under_load": {"num_requests": 6, "sim_requests": 500, "whatif_requests": 150},
     "08_on_a_gpu": {"num_requests": 16},
 }
 WIDGETS = ("BlockMap(", "Timeline(", "LiveThroughput(")

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from labkit import Engine, EngineConfig, SamplingParams
-from labkit.runtime.sampling import Sampler, sample_rows, seeded_uniform
+from labkit.runtime.sampling import Sampler, seeded_uniform
 
 torch.set_num_threads(1)
 
 
 def draw(logits: list[float], uniform: float, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> int:
-    return sample_rows(
+    return Sampler().sample_rows(
         torch.tensor([logits]),
         temperature=torch.tensor([temperature]),
         top_k=torch.tensor([top_k]),

@@ -132,7 +132,7 @@ class Scheduler:
         self.allocator.step = self.step_index
         if self.config.policy == "static":
             return self._schedule_static()
-        return self._schedule_continuous()
+        return self.schedule_continuous()
 
     def update(self, output: SchedulerOutput, sampled: Sequence[int], now: float) -> list[Request]:
         """Record the tokens the model produced (one per sampling chunk, in order); return finished requests."""
@@ -159,7 +159,15 @@ class Scheduler:
         return finished
 
     # ------------------------------------------------------------------ continuous batching
-    def _schedule_continuous(self) -> SchedulerOutput:
+    def schedule_continuous(self) -> SchedulerOutput:
+        """One continuous-batching step (exercise 3): running requests first, then admissions, within the budget.
+
+        Running requests go in admission order, each with one decode token or the next chunk of its
+        prompt; when one needs a block and none is free, :meth:`preempt_one` evicts the youngest. Then
+        waiting requests are admitted in arrival order while budget, ``max_num_seqs`` and free blocks
+        allow, unless this step preempted. A prompt that does not fit the budget is chunked when
+        ``chunked_prefill`` is on, and otherwise waits for a step with room.
+        """
         cfg, allocator = self.config, self.allocator
         output = SchedulerOutput(step=self.step_index, chunks=[])
         budget = cfg.max_batch_tokens
@@ -174,16 +182,12 @@ class Scheduler:
                 continue
             end = request.num_computed_tokens + num_tokens
             needed = allocator.blocks_needed(request.request_id, end)  # usually 0: decodes fill the last block
-            while needed > allocator.num_free_blocks:
-                victim = self.running.pop()  # most recently admitted
-                self._preempt(victim)
-                output.preempted.append(victim)
-                if victim is request:
-                    break
+            while needed > allocator.num_free_blocks and self.preempt_one(output) is not request:
+                pass
             if request.state is RequestState.WAITING:  # preempted itself: nothing younger was left
                 break
             allocator.allocate(request.request_id, end)
-            self._add_chunk(output, request, num_tokens)
+            self.add_chunk(output, request, num_tokens)
             budget -= num_tokens
             i += 1
 
@@ -198,38 +202,35 @@ class Scheduler:
                 break
             self.waiting.popleft()
             allocator.allocate(request.request_id, num_tokens)
-            self._admit(output, request)
-            self._add_chunk(output, request, num_tokens)
+            self.admit(output, request)
+            self.add_chunk(output, request, num_tokens)
             budget -= num_tokens
         return output
 
-    def _preempt(self, request: Request) -> None:
-        """Free the request's blocks and put it back at the front of the queue, to be recomputed."""
+    def preempt_one(self, output: SchedulerOutput) -> Request:
+        """Evict the most recently admitted running request to free its blocks (exercise 4); return it.
+
+        The victim leaves ``running``, gives all its blocks back, and goes to the front of the waiting
+        queue with ``num_computed_tokens = 0``: it is recomputed from its prompt plus the tokens it has
+        already generated, so its output is unchanged. It is listed in ``output.preempted``.
+        """
+        request = self.running.pop()
         self.allocator.free(request.request_id)
         request.num_computed_tokens = 0
         request.state = RequestState.WAITING
         request.metrics.num_preemptions += 1
         self.waiting.appendleft(request)
+        output.preempted.append(request)
+        return request
 
     # ------------------------------------------------------------------ static batching
     def _schedule_static(self) -> SchedulerOutput:
-        cfg, allocator = self.config, self.allocator
         output = SchedulerOutput(step=self.step_index, chunks=[])
         if not self.running:  # the previous batch is completely done: form a new one
-            longest = 0
-            while self.waiting and len(self.running) < cfg.max_num_seqs:
-                request = self.waiting[0]
-                padded_rows = (len(self.running) + 1) * max(longest, request.num_prompt_tokens)
-                reserve = request.num_prompt_tokens + request.params.max_new_tokens - 1
-                if padded_rows > cfg.max_batch_tokens or not allocator.can_allocate(request.request_id, reserve):
-                    break
-                self.waiting.popleft()
-                allocator.allocate(request.request_id, reserve)
-                longest = max(longest, request.num_prompt_tokens)
-                self._admit(output, request)
-                self.running.append(request)
+            self.form_static_batch(output)
+            longest = max((r.num_prompt_tokens for r in self.running), default=0)
             for request in self.running:
-                self._add_chunk(output, request, request.num_prompt_tokens)
+                self.add_chunk(output, request, request.num_prompt_tokens)
                 if request.num_prompt_tokens < longest:  # right-padding up to the longest prompt
                     pad = longest - request.num_prompt_tokens
                     output.padding.append(ScheduledChunk(request, request.num_prompt_tokens, pad, True, False))
@@ -239,8 +240,30 @@ class Scheduler:
             if request.state is RequestState.FINISHED:  # a dead row that stays in the batch
                 output.padding.append(ScheduledChunk(request, request.num_computed_tokens, 1, False, False))
             else:
-                self._add_chunk(output, request, 1)
+                self.add_chunk(output, request, 1)
         return output
+
+    def form_static_batch(self, output: SchedulerOutput) -> None:
+        """The static policy's admission rule (exercise 7): admit the next batch, in arrival order.
+
+        Called when the previous batch has completely finished. Waiting requests join while the batch
+        has fewer than ``max_num_seqs`` members, its padded prompt rows (members x longest prompt) stay
+        within ``max_batch_tokens``, and the allocator can reserve each member's blocks for prompt +
+        ``max_new_tokens`` - 1 tokens up front; the first request that does not fit ends the batch.
+        Each member is reserved and then admitted with :meth:`admit`.
+        """
+        cfg, allocator = self.config, self.allocator
+        longest = 0
+        while self.waiting and len(self.running) < cfg.max_num_seqs:
+            request = self.waiting[0]
+            padded_rows = (len(self.running) + 1) * max(longest, request.num_prompt_tokens)
+            reserve = request.num_prompt_tokens + request.params.max_new_tokens - 1
+            if padded_rows > cfg.max_batch_tokens or not allocator.can_allocate(request.request_id, reserve):
+                break
+            self.waiting.popleft()
+            allocator.allocate(request.request_id, reserve)
+            longest = max(longest, request.num_prompt_tokens)
+            self.admit(output, request)
 
     def _end_static_batch_if_done(self) -> None:
         if self.running and all(r.state is RequestState.FINISHED for r in self.running):
@@ -249,13 +272,14 @@ class Scheduler:
             self.running = []
 
     # ------------------------------------------------------------------ shared helpers
-    def _admit(self, output: SchedulerOutput, request: Request) -> None:
+    def admit(self, output: SchedulerOutput, request: Request) -> None:
+        """Move a request (already taken off ``waiting``, its blocks allocated) into ``running``."""
         request.state = RequestState.PREFILLING
-        if self.config.policy == "continuous":
-            self.running.append(request)
+        self.running.append(request)
         output.admitted.append(request)
 
-    def _add_chunk(self, output: SchedulerOutput, request: Request, num_tokens: int) -> None:
+    def add_chunk(self, output: SchedulerOutput, request: Request, num_tokens: int) -> None:
+        """Schedule the request's next ``num_tokens`` tokens this step and count them as computed."""
         start = request.num_computed_tokens
         is_prefill = request.state is RequestState.PREFILLING
         request.num_computed_tokens = start + num_tokens

@@ -22,11 +22,14 @@ from labkit.core.blocks import BlockAllocator
 from labkit.core.config import EngineConfig
 from labkit.core.scheduler import SchedulerOutput
 from labkit.runtime.attention import (
+    AttentionFn,
     PagedBatch,
     PagedKVCache,
     Segment,
+    SlotMappingFn,
     build_paged_batch,
     long_tensor,
+    slot_mapping,
     use_paged_attention,
 )
 from labkit.runtime.packed import PackedLinears
@@ -46,9 +49,22 @@ class ModelRunner:
     The model is moved to the configured device and dtype in place (``nn.Module.to``). Its attention is
     switched to labkit's paged attention only while a step runs, so ``model.generate`` still works; on a
     CPU its linear layers likewise run on oneDNN-packed weights during a step (labkit.runtime.packed).
+
+    Three parts can be swapped, which is how the exercises run inside the engine: ``slot_mapping_fn``
+    (signature of :func:`labkit.runtime.attention.slot_mapping`), ``attention_fn`` (signature of
+    :func:`labkit.runtime.attention.paged_attention`, called per request and layer instead of the batched
+    fast path) and ``sampler`` (a :class:`Sampler`, or a callable with its signature).
     """
 
-    def __init__(self, model: Any, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        model: Any,
+        config: EngineConfig,
+        *,
+        slot_mapping_fn: SlotMappingFn | None = None,
+        attention_fn: AttentionFn | None = None,
+        sampler: Any = None,
+    ) -> None:
         if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
         self.config = config
@@ -63,7 +79,12 @@ class ModelRunner:
         self.eos_token_ids = _eos_token_ids(model)
         self.pad_token_id = text.pad_token_id if text.pad_token_id is not None else 0
         self.device_name = device_name(self.device)
-        self.sampler = Sampler()
+        for name, part in (("slot_mapping_fn", slot_mapping_fn), ("attention_fn", attention_fn), ("sampler", sampler)):
+            if part is not None and not callable(part):
+                raise TypeError(f"{name} must be callable, got {type(part).__name__}")
+        self.slot_mapping_fn = slot_mapping if slot_mapping_fn is None else slot_mapping_fn
+        self.attention_fn = attention_fn
+        self.sampler = Sampler() if sampler is None else sampler
         self.cache: PagedKVCache | None = None
         self.packed_linears = PackedLinears.of(self.model) if config.pack_weights else None
 
@@ -97,7 +118,9 @@ class ModelRunner:
             token_ids += [self.pad_token_id] * chunk.num_tokens
             segments.append(Segment(chunk.start, chunk.num_tokens, tables[chunk.request.request_id], False))
 
-        batch = build_paged_batch(self.cache, segments, self.device)
+        batch = build_paged_batch(
+            self.cache, segments, self.device, attention_fn=self.attention_fn, slot_mapping_fn=self.slot_mapping_fn
+        )
         logits = self._forward(token_ids, batch, sample_rows)
         params = [r.params for r in sampling_requests]
         return self.sampler(logits, params, [len(r.output_token_ids) for r in sampling_requests])

@@ -78,22 +78,29 @@ def check(
     return result
 
 
-def check_file(exercise: Exercise, path: str | os.PathLike[str] | None = None, *, verbose: bool = False) -> CheckResult:
+def load_implementation(exercise: Exercise, path: str | os.PathLike[str] | None = None) -> tuple[Any, str, str]:
+    """(implementation, where it came from, error): the learner's file imported afresh; error "" when it loaded."""
     file = find_learner_file(exercise, path)
     if file is None or not file.is_file():
-        where = file if file is not None else f"exercises/{exercise.filename}"
+        where = str(file) if file is not None else f"exercises/{exercise.filename}"
         error = (
             f"no file {where} here: open the repository's exercises folder, or define your implementation"
             f" in a cell and pass it: check({exercise.number}, {exercise.export})"
         )
-        return CheckResult(exercise.number, exercise.title, str(where), len(exercise.cases), load_error=error)
+        return None, where, error
     try:
-        implementation = load_learner(exercise, file)
+        return load_learner(exercise, file), str(file), ""
     except Exception as error:  # a syntax error or a missing name in the learner's file
         where = learner_frames(error)
-        text = f"your file does not load: {type(error).__name__}: {error}" + (f"\n{where}" if where else "")
-        return CheckResult(exercise.number, exercise.title, str(file), len(exercise.cases), load_error=text)
-    return run_exercise(exercise, implementation, str(file), verbose=verbose)
+        return None, str(file), f"your file does not load: {type(error).__name__}: {error}" + (f"\n{where}" if where else "")
+
+
+def check_file(exercise: Exercise, path: str | os.PathLike[str] | None = None, *, verbose: bool = False) -> CheckResult:
+    """Check the learner's file for ``exercise`` (found as :func:`check` finds it), printing nothing."""
+    implementation, source, error = load_implementation(exercise, path)
+    if error:
+        return CheckResult(exercise.number, exercise.title, source, len(exercise.cases), load_error=error)
+    return run_exercise(exercise, implementation, source, verbose=verbose)
 
 
 def progress(path: str | os.PathLike[str] | None = None) -> list[CheckResult]:
@@ -111,6 +118,7 @@ __all__ = [
     "check_file",
     "exercises",
     "get",
+    "load_implementation",
     "progress",
     "property_case",
     "reference",

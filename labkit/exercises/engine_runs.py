@@ -69,12 +69,12 @@ def lockstep(
     workload: Workload,
     hint: str,
     rules: Sequence[tuple[Invariant, str]] = (),
-    after_step: Callable[[Engine, StepReport], str | None] | None = None,
+    after_step: tuple[Callable[[Engine, StepReport], str | None], str] | None = None,
 ) -> None:
     """Serve ``workload`` with ``scheduler_cls`` and with labkit's Scheduler; Mismatch at the first difference.
 
     ``rules`` are (check, hint) pairs run on each of the learner's steps first; ``after_step`` may check the
-    learner's engine state after each step (it returns a message, or None).
+    learner's engine state after each step: a (check, hint) pair whose check returns a message, or None.
     """
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in workload]
     mine = Engine(SimulatedModel(), config, scheduler_cls=scheduler_cls)
@@ -100,9 +100,9 @@ def lockstep(
                 so_far, f"step {expected.step}: {step_text(expected)}", f"step {got.step}: {step_text(got)}", hint
             )
         if after_step is not None:
-            message = after_step(mine, got)
+            message = after_step[0](mine, got)
             if message is not None:
-                raise Mismatch(so_far, f"step {expected.step}: {step_text(expected)}", message, hint)
+                raise Mismatch(so_far, f"step {expected.step}: {step_text(expected)}", message, after_step[1])
         done.append(f"step {expected.step}: {step_text(expected)}")
     raise Mismatch(setup, "every request finishes", f"requests still unfinished after {MAX_STEPS} steps", hint)
 

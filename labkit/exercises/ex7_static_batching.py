@@ -53,7 +53,7 @@ RULES = [(padded_rows_rule, PADDING_HINT), (max_seqs_rule, SEQS_HINT)]
 
 def _case(name: str, workload: Workload, hint: str, **overrides: Any) -> Case:
     cfg = config(policy="static", **overrides)
-    return Case(name, lambda cls: lockstep(cls, cfg, workload, hint, RULES, reserve_rule), hint)
+    return Case(name, lambda cls: lockstep(cls, cfg, workload, hint, RULES, (reserve_rule, RESERVE_HINT)), hint)
 
 
 def _strategy() -> Any:
@@ -68,7 +68,7 @@ def _property(cls: Any, example: Any) -> None:
     cfg = config(policy="static", max_batch_tokens=budget, max_num_seqs=seqs, num_blocks=blocks)
     workload = [(p, n) for p, n in workload if p + n - 1 <= blocks * cfg.block_size] or [(1, 1)]
     hint = "the step above is the first one that differs from labkit's static policy"
-    lockstep(cls, cfg, workload, hint, RULES, reserve_rule)
+    lockstep(cls, cfg, workload, hint, RULES, (reserve_rule, RESERVE_HINT))
 
 
 CASES = [

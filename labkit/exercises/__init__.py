@@ -15,9 +15,11 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+from pathlib import Path
 from typing import Any
 
 from labkit.exercises.framework import (
+    LABKIT_DIR,
     Case,
     CheckResult,
     Exercise,
@@ -89,10 +91,20 @@ def load_implementation(exercise: Exercise, path: str | os.PathLike[str] | None 
         )
         return None, where, error
     try:
-        return load_learner(exercise, file), str(file), ""
+        return load_learner(exercise, file), display_path(file), ""
     except Exception as error:  # a syntax error or a missing name in the learner's file
         where = learner_frames(error)
-        return None, str(file), f"your file does not load: {type(error).__name__}: {error}" + (f"\n{where}" if where else "")
+        return None, display_path(file), f"your file does not load: {type(error).__name__}: {error}" + (f"\n{where}" if where else "")
+
+
+def display_path(file: Path) -> str:
+    """``file`` relative to the current folder or the repository when it lies inside one of them."""
+    for root in (Path.cwd(), LABKIT_DIR.parent):
+        try:
+            return str(file.resolve().relative_to(root.resolve()))
+        except ValueError:
+            continue
+    return str(file)
 
 
 def check_file(exercise: Exercise, path: str | os.PathLike[str] | None = None, *, verbose: bool = False) -> CheckResult:

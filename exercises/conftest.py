@@ -12,6 +12,7 @@ import pytest
 
 from labkit.exercises import exercises
 
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "learner: a check of the learner's own exercise file")
     for number, exercise in exercises().items():

@@ -8,7 +8,12 @@ from labkit.exercises import exercises, load_implementation
 from labkit.exercises.framework import run_case
 
 CASES = [
-    pytest.param(number, case.name, marks=[getattr(pytest.mark, f"ex{number}"), pytest.mark.learner], id=f"ex{number}: {case.name}")
+    pytest.param(
+        number,
+        case.name,
+        marks=[getattr(pytest.mark, f"ex{number}"), pytest.mark.learner],
+        id=f"ex{number}: {case.name}",
+    )
     for number, exercise in exercises().items()
     for case in exercise.cases
 ]

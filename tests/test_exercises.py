@@ -127,7 +127,7 @@ def test_ex1_planted_mistakes_are_named():
     assert "NoFreeBlocksError and leave the free queue" in greedy["allocate is all or nothing when blocks run out"]
     _, shared = failing(1, IgnoresRefCounts)
     assert "reference count drops to 0" in shared["a shared block stays in use until its last reference is freed"]
-    result, double = failing(1, SilentDoubleFree)
+    _, double = failing(1, SilentDoubleFree)
     assert list(double) == ["free of a request that owns nothing raises KeyError", *list(double)[1:]]
     assert "raises KeyError" in double["free of a request that owns nothing raises KeyError"]
 
@@ -398,9 +398,10 @@ class SkipsAhead(Scheduler):
 
 def test_ex7_planted_mistakes_are_named():
     _, padded = failing(7, SumsPrompts)
-    assert "padded to 10 tokens = 40 rows, but max_batch_tokens is 24" in padded[
-        "a batch's padded prompt rows fit max_batch_tokens"
-    ]
+    assert (
+        "padded to 10 tokens = 40 rows, but max_batch_tokens is 24"
+        in padded["a batch's padded prompt rows fit max_batch_tokens"]
+    )
     _, reserve = failing(7, ReservesThePromptOnly)
     text = reserve["each member reserves its prompt and every token it may generate"]
     assert "admitted [0, 1, 2]" in text and "reserve each member's whole future up front" in text

@@ -94,7 +94,11 @@ def load_implementation(exercise: Exercise, path: str | os.PathLike[str] | None 
         return load_learner(exercise, file), display_path(file), ""
     except Exception as error:  # a syntax error or a missing name in the learner's file
         where = learner_frames(error)
-        return None, display_path(file), f"your file does not load: {type(error).__name__}: {error}" + (f"\n{where}" if where else "")
+        return (
+            None,
+            display_path(file),
+            f"your file does not load: {type(error).__name__}: {error}" + (f"\n{where}" if where else ""),
+        )
 
 
 def display_path(file: Path) -> str:

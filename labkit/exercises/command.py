@@ -49,7 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(r.report(), end="\n\n")
     following = next((r for r in results if not r.passed), None)
     if following is not None and not args.verbose:
-        console.print(f"Next: exercise {following.number}. Details: labkit check {following.number} -v", highlight=False)
+        console.print(
+            f"Next: exercise {following.number}. Details: labkit check {following.number} -v", highlight=False
+        )
     return 0 if done == len(results) else 1
 
 

@@ -59,7 +59,10 @@ def replay(cls: Any, num_blocks: int, block_size: int, ops: list[Op], hint: str,
         expected, got = _apply(ref, op), _apply(mine, op)
         want, have = _state(ref), _state(mine)
         if events:
-            want["events"], have["events"] = [tuple(e) for e in ref.drain_events()], [tuple(e) for e in mine.drain_events()]
+            want["events"], have["events"] = (
+                [tuple(e) for e in ref.drain_events()],
+                [tuple(e) for e in mine.drain_events()],
+            )
         if expected != got or want != have:
             differ = [k for k in want if want[k] != have[k]]
             expected_text = "\n".join([_show(expected)] + [f"{k}: {want[k]}" for k in differ])
@@ -96,42 +99,56 @@ def _strategy() -> Any:
 CASES = [
     _ops_case(
         "allocate takes new blocks from the front of the free queue",
-        8, 4, [("allocate", "a", 6), ("allocate", "b", 1)],
+        8,
+        4,
+        [("allocate", "a", 6), ("allocate", "b", 1)],
         "pop blocks from the left of self.free_blocks, set each one's reference count to 1, extend the request's"
         " block table (self.block_tables) and record num_slots[request] = num_tokens; return the new blocks",
     ),
     _ops_case(
         "allocate adds only the blocks a request still lacks",
-        8, 4, [("allocate", "a", 3), ("allocate", "a", 4), ("allocate", "a", 9), ("allocate", "a", 2)],
+        8,
+        4,
+        [("allocate", "a", 3), ("allocate", "a", 4), ("allocate", "a", 9), ("allocate", "a", 2)],
         "self.blocks_needed(request_id, num_tokens) says how many blocks are missing; a table that already covers"
         " num_tokens gets nothing new (return []), and num_slots never shrinks",
     ),
     _ops_case(
         "allocate is all or nothing when blocks run out",
-        4, 4, [("allocate", "a", 8), ("allocate", "b", 12), ("allocate", "b", 8)],
+        4,
+        4,
+        [("allocate", "a", 8), ("allocate", "b", 12), ("allocate", "b", 8)],
         "check that enough blocks are free before taking any: raise NoFreeBlocksError and leave the free queue"
         " and the block tables exactly as they were",
     ),
     _ops_case(
         "free gives every block back to the end of the free queue",
-        4, 2, [("allocate", "a", 5), ("allocate", "b", 2), ("free", "a"), ("allocate", "c", 2)],
+        4,
+        2,
+        [("allocate", "a", 5), ("allocate", "b", 2), ("free", "a"), ("allocate", "c", 2)],
         "decrement each block's reference count; a block that reaches 0 goes to the right end of"
         " self.free_blocks; drop the request from block_tables and num_slots; return the released blocks",
     ),
     _ops_case(
         "free of a request that owns nothing raises KeyError",
-        4, 4, [("free", "x"), ("allocate", "a", 4), ("free", "a"), ("free", "a")],
+        4,
+        4,
+        [("free", "x"), ("allocate", "a", 4), ("free", "a"), ("free", "a")],
         "a double free or an unknown request must raise KeyError, not pass silently or corrupt the queue",
     ),
     _ops_case(
         "a shared block stays in use until its last reference is freed",
-        6, 4, [("allocate", "a", 8), ("share", "a", "b"), ("allocate", "b", 6), ("free", "a"), ("free", "b")],
+        6,
+        4,
+        [("allocate", "a", 8), ("share", "a", "b"), ("allocate", "b", 6), ("free", "a"), ("free", "b")],
         "free returns a block to the queue only when its reference count drops to 0: another request may"
         " still reference it",
     ),
     _ops_case(
         "every allocation and free is recorded as a BlockEvent",
-        4, 2, [("allocate", "a", 3), ("append_slot", "a"), ("append_slot", "a"), ("free", "a")],
+        4,
+        2,
+        [("allocate", "a", 3), ("append_slot", "a"), ("append_slot", "a"), ("free", "a")],
         "append BlockEvent('alloc', block, request_id, self.step) for each new block and"
         " BlockEvent('free', block, request_id, self.step) for each released one: the block map draws them",
         events=True,

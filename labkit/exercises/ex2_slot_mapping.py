@@ -34,7 +34,9 @@ def compare(fn: Any, raw: list[tuple[int, int, list[int], bool]], block_size: in
         if isinstance(got, list) and len(got) == len(expected):
             first = next(i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if a != b)
             where = _token_at(segments, first)
-            hint = f"the first wrong slot is packed token {first} ({where}). {_diagnose(segments, block_size, got)}{hint}"
+            hint = (
+                f"the first wrong slot is packed token {first} ({where}). {_diagnose(segments, block_size, got)}{hint}"
+            )
         raise Mismatch(_describe(segments, block_size), repr(expected), repr(got), hint)
 
 

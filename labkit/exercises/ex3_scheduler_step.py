@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from labkit.core.config import EngineConfig
 from labkit.core.engine import Engine
 from labkit.core.report import StepReport
-from labkit.core.config import EngineConfig
 from labkit.core.scheduler import Scheduler
 from labkit.exercises.engine_runs import Workload, budget_rule, config, lockstep, max_seqs_rule
 from labkit.exercises.framework import Case, Exercise, property_case
@@ -76,8 +76,18 @@ CASES = [
         "take requests from the front of self.waiting (popleft) while budget, max_num_seqs and free blocks allow",
         max_batch_tokens=20,
     ),
-    _case("running requests decode before new prompts are admitted", [(5, 6), (5, 6), (12, 2)], ORDER_HINT, max_batch_tokens=10),
-    _case("a step never schedules more than max_batch_tokens", [(10, 4), (10, 4), (10, 4)], BUDGET_HINT, max_batch_tokens=16),
+    _case(
+        "running requests decode before new prompts are admitted",
+        [(5, 6), (5, 6), (12, 2)],
+        ORDER_HINT,
+        max_batch_tokens=10,
+    ),
+    _case(
+        "a step never schedules more than max_batch_tokens",
+        [(10, 4), (10, 4), (10, 4)],
+        BUDGET_HINT,
+        max_batch_tokens=16,
+    ),
     _case(
         "with chunked prefill a long prompt is split across steps",
         [(30, 2), (3, 2)],

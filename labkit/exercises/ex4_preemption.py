@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from labkit.core.engine import Engine
-from labkit.core.request import RequestState
+from labkit.core.request import RequestState, SamplingParams
 from labkit.core.scheduler import Scheduler, SchedulerOutput
 from labkit.core.sim import SimulatedModel
 from labkit.exercises.engine_runs import config, describe, lockstep, prompts
 from labkit.exercises.framework import Case, Exercise, Mismatch, property_case
-from labkit.core.request import SamplingParams
 
 SCENARIO = [(6, 12), (5, 12), (7, 12)]  # three running requests, in admission order r0, r1, r2
 

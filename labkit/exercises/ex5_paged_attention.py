@@ -33,8 +33,15 @@ def scenario(
         key_cache[:, block, offset] = keys[:, position]
         value_cache[:, block, offset] = values[:, position]
     query = torch.randn(num_heads, num_queries, head_dim, generator=gen)
-    return dict(query=query, key_cache=key_cache, value_cache=value_cache, block_table=table,
-                context_len=context_len, keys=keys, values=values)  # fmt: skip
+    return dict(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_table=table,
+        context_len=context_len,
+        keys=keys,
+        values=values,
+    )
 
 
 def dense_attention(s: dict[str, Any], scale: float) -> Any:
@@ -52,8 +59,18 @@ def dense_attention(s: dict[str, Any], scale: float) -> Any:
     return F.scaled_dot_product_attention(s["query"], keys, values, attn_mask=visible, scale=scale)
 
 
-def compare(fn: Any, hint: str, *, heads: int, kv_heads: int, context: int, queries: int,
-            block_size: int, seed: int = 0, scale: float = 0.35) -> None:  # fmt: skip
+def compare(
+    fn: Any,
+    hint: str,
+    *,
+    heads: int,
+    kv_heads: int,
+    context: int,
+    queries: int,
+    block_size: int,
+    seed: int = 0,
+    scale: float = 0.35,
+) -> None:
     import torch
 
     s = scenario(heads, kv_heads, context, queries, block_size, seed)
@@ -64,8 +81,9 @@ def compare(fn: Any, hint: str, *, heads: int, kv_heads: int, context: int, quer
     )
     showing(text)
     with torch.no_grad():
-        got = fn(s["query"].clone(), s["key_cache"].clone(), s["value_cache"].clone(), list(s["block_table"]),
-                 context, scale)  # fmt: skip
+        got = fn(
+            s["query"].clone(), s["key_cache"].clone(), s["value_cache"].clone(), list(s["block_table"]), context, scale
+        )
     if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(expected.shape):
         shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
         raise Mismatch(text, f"a tensor of shape {tuple(expected.shape)} (H, Q, D)", f"{shape}", hint)
@@ -102,8 +120,16 @@ def _strategy() -> Any:
 
 def _property(fn: Any, example: Any) -> None:
     (heads, kv_heads), context, queries, block_size, seed = example
-    compare(fn, "compare with the dense attention of the same keys and values", heads=heads, kv_heads=kv_heads,
-            context=context, queries=min(queries, context), block_size=block_size, seed=seed)  # fmt: skip
+    compare(
+        fn,
+        "compare with the dense attention of the same keys and values",
+        heads=heads,
+        kv_heads=kv_heads,
+        context=context,
+        queries=min(queries, context),
+        block_size=block_size,
+        seed=seed,
+    )
 
 
 CONTEXT_HINT = (
@@ -115,32 +141,64 @@ CASES = [
         "one decode query over whole blocks",
         "gather the request's blocks in block_table order: key_cache[:, block_table] is (KV, blocks, block_size, D);"
         " flatten it to (KV, blocks * block_size, D), then softmax(q @ k^T * scale) @ v",
-        heads=2, kv_heads=2, context=8, queries=1, block_size=4,
+        heads=2,
+        kv_heads=2,
+        context=8,
+        queries=1,
+        block_size=4,
     ),
-    _case("a decode query over a context that ends mid-block", CONTEXT_HINT,
-          heads=2, kv_heads=2, context=10, queries=1, block_size=4),
+    _case(
+        "a decode query over a context that ends mid-block",
+        CONTEXT_HINT,
+        heads=2,
+        kv_heads=2,
+        context=10,
+        queries=1,
+        block_size=4,
+    ),
     _case(
         "blocks are read in block-table order",
         "position p is in block block_table[p // block_size], not in block p // block_size: blocks are not"
         " contiguous, and the table lists them in token order",
-        heads=2, kv_heads=2, context=16, queries=1, block_size=2, seed=3,
+        heads=2,
+        kv_heads=2,
+        context=16,
+        queries=1,
+        block_size=2,
+        seed=3,
     ),
     _case(
         "a prefill chunk attends causally",
         "query q sits at position context_len - Q + q and sees keys 0 .. that position only: mask the later"
         " ones with -inf before the softmax",
-        heads=2, kv_heads=2, context=11, queries=5, block_size=4,
+        heads=2,
+        kv_heads=2,
+        context=11,
+        queries=5,
+        block_size=4,
     ),
     _case(
         "grouped-query attention: query heads share KV heads",
         "with H query heads and KV key/value heads, query head h uses KV head h // (H // KV):"
         " repeat_interleave the KV heads, not repeat",
-        heads=4, kv_heads=2, context=9, queries=2, block_size=4,
+        heads=4,
+        kv_heads=2,
+        context=9,
+        queries=2,
+        block_size=4,
     ),
-    _case("the scores are scaled by scale", "multiply q @ k^T by scale (given; do not recompute 1/sqrt(D))",
-          heads=2, kv_heads=1, context=6, queries=1, block_size=4, scale=0.9),
+    _case(
+        "the scores are scaled by scale",
+        "multiply q @ k^T by scale (given; do not recompute 1/sqrt(D))",
+        heads=2,
+        kv_heads=1,
+        context=6,
+        queries=1,
+        block_size=4,
+        scale=0.9,
+    ),
     property_case("random shapes match dense attention", _strategy, _property, max_examples=40),
-]  # fmt: skip
+]
 
 
 def _reference() -> Any:

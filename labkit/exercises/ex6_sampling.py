@@ -16,7 +16,9 @@ GRID = [(i + 0.5) / 400 for i in range(400)]  # uniforms, away from every bounda
 PROBS = [0.5, 0.3, 0.15, 0.05]  # the default row: token 0 is the most likely
 
 
-def _draw(sampler: Any, logits: list[list[float]], params: list[tuple[float, int, float]], uniforms: list[float]) -> list[int]:
+def _draw(
+    sampler: Any, logits: list[list[float]], params: list[tuple[float, int, float]], uniforms: list[float]
+) -> list[int]:
     import torch
 
     result = sampler.sample_rows(
@@ -84,7 +86,9 @@ def _strategy() -> Any:
     from hypothesis import strategies as st
 
     logits = st.lists(st.integers(-30, 30).map(lambda v: v / 10), min_size=2, max_size=8)
-    params = st.tuples(st.sampled_from([0.25, 0.5, 1.0, 2.0]), st.integers(0, 4), st.sampled_from([0.1, 0.45, 0.7, 0.95, 1.0]))
+    params = st.tuples(
+        st.sampled_from([0.25, 0.5, 1.0, 2.0]), st.integers(0, 4), st.sampled_from([0.1, 0.45, 0.7, 0.95, 1.0])
+    )
     return st.tuples(logits, params, st.integers(1, 99).map(lambda v: v / 100))
 
 
@@ -111,7 +115,10 @@ CASES = [
         "temperature 1 draws each token with its softmax probability",
         "softmax the logits, sort descending, and pick the first token whose cumulative probability exceeds"
         " uniform (inverse CDF)",
-        PROBS, 1.0, 0, 1.0,
+        PROBS,
+        1.0,
+        0,
+        1.0,
     ),
     distribution_case("temperature below 1 sharpens the distribution", TEMPERATURE_HINT, PROBS, 0.5, 0, 1.0),
     distribution_case("temperature above 1 flattens the distribution", TEMPERATURE_HINT, PROBS, 2.0, 0, 1.0),
@@ -122,7 +129,10 @@ CASES = [
         "top_k, then top_p on the renormalised rest",
         "apply top_k first, renormalise what is left, then top_p on that: "
         "the order in labkit is temperature, top_k, top_p",
-        [0.4, 0.3, 0.2, 0.1], 1.0, 3, 0.6,
+        [0.4, 0.3, 0.2, 0.1],
+        1.0,
+        3,
+        0.6,
     ),
     Case(
         "a row draws the same token alone and in a batch",
@@ -130,7 +140,7 @@ CASES = [
         "rows are independent: row i's token depends only on row i's logits, parameters and uniform",
     ),
     property_case("random rows draw like labkit's sampler", _strategy, _property),
-]  # fmt: skip
+]
 
 
 def _reference() -> Any:

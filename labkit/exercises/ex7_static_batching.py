@@ -60,7 +60,9 @@ def _strategy() -> Any:
     from hypothesis import strategies as st
 
     request = st.tuples(st.integers(1, 12), st.integers(1, 10))
-    return st.tuples(st.lists(request, min_size=1, max_size=7), st.integers(12, 32), st.integers(1, 4), st.integers(8, 40))
+    return st.tuples(
+        st.lists(request, min_size=1, max_size=7), st.integers(12, 32), st.integers(1, 4), st.integers(8, 40)
+    )
 
 
 def _property(cls: Any, example: Any) -> None:
@@ -78,16 +80,21 @@ CASES = [
         "take requests from the front of self.waiting (popleft), allocate, then self.admit(output, request)",
     ),
     _case("max_num_seqs caps a batch", [(3, 2)] * 5, SEQS_HINT, max_num_seqs=2),
-    _case("a batch's padded prompt rows fit max_batch_tokens", [(3, 2), (10, 2), (4, 2), (2, 2)], PADDING_HINT,
-          max_batch_tokens=24),  # fmt: skip
+    _case(
+        "a batch's padded prompt rows fit max_batch_tokens",
+        [(3, 2), (10, 2), (4, 2), (2, 2)],
+        PADDING_HINT,
+        max_batch_tokens=24,
+    ),
     _case(
         "each member reserves its prompt and every token it may generate",
         [(5, 9), (5, 9), (5, 9)],
         RESERVE_HINT,
         num_blocks=9,
     ),
-    _case("the first request that does not fit ends the batch", [(4, 2), (12, 2), (3, 2)], ORDER_HINT,
-          max_batch_tokens=16),  # fmt: skip
+    _case(
+        "the first request that does not fit ends the batch", [(4, 2), (12, 2), (3, 2)], ORDER_HINT, max_batch_tokens=16
+    ),
     property_case("random workloads form the batches labkit forms", _strategy, _property, max_examples=40),
 ]
 

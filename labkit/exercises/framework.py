@@ -153,11 +153,13 @@ class CheckResult:
 
     @property
     def status(self) -> str:
-        """"passed", "failing" or "not started" (every case raised NotImplementedError, or no file yet)."""
+        """ "passed", "failing" or "not started" (every case raised NotImplementedError, or no file yet)."""
         if self.passed:
             return "passed"
         if self.load_error.startswith("no file") or (
-            self.failures and len(self.failures) == self.num_cases and all(f.kind == "not started" for f in self.failures)
+            self.failures
+            and len(self.failures) == self.num_cases
+            and all(f.kind == "not started" for f in self.failures)
         ):
             return "not started"
         return "failing"
@@ -170,7 +172,7 @@ class CheckResult:
             return f"{head}\n✓ all {self.num_cases} checks pass"
         if self.status == "not started":
             return (
-                f"{head}\nnot started: every check raises NotImplementedError(\"Exercise {self.number}\")."
+                f'{head}\nnot started: every check raises NotImplementedError("Exercise {self.number}").'
                 f" Fill in the stubs, then check again ({self.num_cases} checks wait)."
             )
         parts = [f"{head}\n{self.num_passed} of {self.num_cases} checks pass"]
@@ -244,7 +246,7 @@ def learner_frames(error: BaseException) -> str:
 
 # ---------------------------------------------------------------------- the learner's file
 def find_learner_file(exercise: Exercise, path: str | os.PathLike[str] | None = None) -> Path | None:
-    """``path`` (a file, or a folder holding it), else $LABKIT_EXERCISES_DIR, ./exercises, . and the repo's exercises/."""
+    """``path`` (a file, or its folder), else $LABKIT_EXERCISES_DIR, ./exercises, . and the repo's exercises/."""
     if path is not None:
         candidate = Path(path)
         return candidate / exercise.filename if candidate.is_dir() else candidate

@@ -9,6 +9,10 @@ The state you work with, set up by ``BlockAllocator.__init__``:
 * ``self.num_slots[request_id]``: how many token slots the request has claimed;
 * ``self.events``: a list of ``BlockEvent(kind, block_id, request_id, self.step)``, drawn by the block map.
 
+labkit's own methods also journal each change (``self.record_undo``) so that a step that fails later can
+be rolled back; yours may leave that out (the checks do not need it), at the price that a step failing
+after your ``allocate`` cannot be undone.
+
 Check it: ``labkit check``, ``pytest -m ex1 exercises/``, or ``labkit.exercises.check(1)`` in a notebook.
 """
 

@@ -1,13 +1,14 @@
 """Exercise 4 · Preemption: when the KV cache is full, evict a request and recompute it later, unchanged.
 
-A running request that needs one more block, when none is free, makes the scheduler preempt the
-youngest running request (labkit's ``schedule_continuous`` calls ``preempt_one`` until the block fits).
-Fill in ``preempt_one``; the state it uses is labkit's (``labkit.core.scheduler.Scheduler``):
+A running request that needs one more block, when none is free, makes labkit's ``schedule_continuous``
+preempt the youngest running request. A step is a plan and then a commit, so preemption has two halves:
 
-* ``self.running``: requests in admission order (the last one is the youngest);
-* ``self.waiting``: a deque of requests waiting to be admitted, the front one next;
-* ``self.allocator.free(request_id)``: gives a request's blocks back;
-* ``request.num_computed_tokens``, ``request.state``, ``request.metrics.num_preemptions``.
+* ``preempt(output, victim)``, while planning: free the victim's blocks and list it in the plan;
+* ``requeue_preempted(victim)``, while committing (``update``, after the model ran): the victim waits again.
+
+Fill in both. The state they use is labkit's (``labkit.core.scheduler.Scheduler``): ``self.allocator.free``,
+``self.waiting`` (a deque, the front one next), ``victim.num_computed_tokens``, ``victim.state``,
+``victim.metrics.num_preemptions``.
 
 Check it: ``labkit check``, ``pytest -m ex4 exercises/``, or ``labkit.exercises.check(4)`` in a notebook.
 """
@@ -19,13 +20,18 @@ from labkit.core.scheduler import Scheduler, SchedulerOutput
 
 
 class MyScheduler(Scheduler):
-    def preempt_one(self, output: SchedulerOutput) -> Request:
-        """Evict the most recently admitted running request; return it.
+    def preempt(self, output: SchedulerOutput, victim: Request) -> None:
+        """Plan to preempt ``victim``: give all its blocks back to the allocator now, and append it to
+        ``output.preempted`` (``update`` then takes the listed victims off the end of ``self.running``).
+        """
+        raise NotImplementedError("Exercise 4")
 
-        The victim leaves ``self.running`` and gives all its blocks back; its keys and values are gone, so
-        its ``num_computed_tokens`` restarts at 0 and its state is ``RequestState.WAITING``. It goes to the
-        *front* of ``self.waiting``, is appended to ``output.preempted``, and its
-        ``metrics.num_preemptions`` grows by one. Recomputed later from its prompt plus the tokens it has
-        already generated, it produces exactly the output it would have without preemption.
+    def requeue_preempted(self, victim: Request) -> None:
+        """Commit the preemption: ``victim`` waits again, at the *front* of ``self.waiting``.
+
+        Its keys and values are gone with its blocks, so its ``num_computed_tokens`` restarts at 0 and its
+        state is ``RequestState.WAITING``; its ``metrics.num_preemptions`` grows by one. It keeps the tokens
+        it generated: recomputed from prompt + output, it produces exactly the output it would have had
+        without preemption.
         """
         raise NotImplementedError("Exercise 4")

@@ -156,7 +156,7 @@ def test_ex2_planted_mistakes_are_named():
 
 # ------------------------------------------------------------------ exercise 3
 class LearnerScheduler(Scheduler):
-    """A learner's schedule_continuous written from the contract; the subclasses below plant one mistake each."""
+    """A plan-only schedule_continuous written from the contract; the subclasses below plant one mistake each."""
 
     overspend = 0
     prefill_first = False
@@ -164,41 +164,46 @@ class LearnerScheduler(Scheduler):
 
     def schedule_continuous(self):
         cfg, allocator = self.config, self.allocator
-        output = SchedulerOutput(step=self.step_index, chunks=[])
+        output = SchedulerOutput(step=self.step_index + 1, chunks=[])
         budget = cfg.max_batch_tokens + self.overspend
         if self.prefill_first:
             budget = self.admit_waiting(output, budget)
-        for request in list(self.running):
-            if budget <= 0 or request.state is RequestState.WAITING or request in output.admitted:
-                continue
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if n < request.num_tokens - request.num_computed_tokens and not cfg.chunked_prefill:
+        live = len(self.running)  # running[live:] are this step's victims
+        i = 0
+        while i < live and budget > 0:
+            request = self.running[i]
+            remaining = request.num_tokens - request.num_computed_tokens
+            n = min(remaining, budget)
+            if n < remaining and not cfg.chunked_prefill:
+                i += 1
                 continue
             end = request.num_computed_tokens + n
-            while allocator.blocks_needed(request.request_id, end) > allocator.num_free_blocks:
-                if self.preempt_one(output) is request:
-                    break
-            if request.state is RequestState.WAITING:
+            while allocator.blocks_needed(request.request_id, end) > allocator.num_free_blocks and live > i:
+                live -= 1
+                self.preempt(output, self.running[live])
+            if live == i:
                 break
             allocator.allocate(request.request_id, end)
-            self.add_chunk(output, request, n)
+            output.add_chunk(request, request.num_computed_tokens, n, request.state is RequestState.PREFILLING)
             budget -= n
+            i += 1
         if not self.prefill_first and not output.preempted:
             self.admit_waiting(output, budget)
         return output
 
     def admit_waiting(self, output, budget):
-        while self.waiting and budget > 0 and (not self.max_seqs or len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
+        for request in self.waiting:
+            seats = not self.max_seqs or len(self.running) + len(output.admitted) < self.config.max_num_seqs
+            if budget <= 0 or not seats:
+                break
             n = min(request.num_tokens, budget)
             if n < request.num_tokens and not self.config.chunked_prefill:
                 break
             if not self.allocator.can_allocate(request.request_id, n):
                 break
-            self.waiting.popleft()
             self.allocator.allocate(request.request_id, n)
-            self.admit(output, request)
-            self.add_chunk(output, request, n)
+            output.admitted.append(request)
+            output.add_chunk(request, 0, n, True)
             budget -= n
         return budget
 
@@ -232,48 +237,38 @@ def test_ex3_planted_mistakes_are_named():
 
 # ------------------------------------------------------------------ exercise 4
 class KeepsComputedTokens(Scheduler):
-    def preempt_one(self, output):
-        request = self.running[-1]
-        computed = request.num_computed_tokens
-        super().preempt_one(output)
-        request.num_computed_tokens = computed
-        return request
+    def requeue_preempted(self, victim):
+        computed = victim.num_computed_tokens
+        super().requeue_preempted(victim)
+        victim.num_computed_tokens = computed
 
 
-class EvictsTheOldest(Scheduler):
-    def preempt_one(self, output):
-        self.running.append(self.running.pop(0))
-        return super().preempt_one(output)
+class NotListed(Scheduler):
+    def preempt(self, output, victim):
+        self.allocator.free(victim.request_id)
 
 
 class RequeuesAtTheBack(Scheduler):
-    def preempt_one(self, output):
-        request = super().preempt_one(output)
-        self.waiting.remove(request)
-        self.waiting.append(request)
-        return request
+    def requeue_preempted(self, victim):
+        super().requeue_preempted(victim)
+        self.waiting.remove(victim)
+        self.waiting.append(victim)
 
 
 class KeepsItsBlocks(Scheduler):
-    def preempt_one(self, output):
-        request = self.running.pop()
-        request.num_computed_tokens = 0
-        request.state = RequestState.WAITING
-        request.metrics.num_preemptions += 1
-        self.waiting.appendleft(request)
-        output.preempted.append(request)
-        return request
+    def preempt(self, output, victim):
+        output.preempted.append(victim)
 
 
 def test_ex4_planted_mistakes_are_named():
     _, computed = failing(4, KeepsComputedTokens)
     assert "num_computed_tokens == 0" in computed["the victim's computed tokens restart at 0 and it waits again"]
-    _, oldest = failing(4, EvictsTheOldest)
-    assert "the most recently admitted" in oldest["the victim is the most recently admitted running request"]
+    _, listed = failing(4, NotListed)
+    assert "output.preempted.append(victim)" in listed["the plan lists the victim in output.preempted"]
     _, back = failing(4, RequeuesAtTheBack)
     assert "appendleft" in back["the victim goes to the front of the waiting queue"]
     _, blocks = failing(4, KeepsItsBlocks)
-    assert "owns no blocks" in blocks["the victim's blocks all go back to the free queue"]
+    assert "still owns blocks" in blocks["the victim's blocks all go back to the free queue"]
 
 
 def test_ex4_output_case_really_preempts():
@@ -352,48 +347,49 @@ def test_ex6_planted_mistakes_are_named():
 
 
 # ------------------------------------------------------------------ exercise 7
-class SumsPrompts(Scheduler):
+class LearnerStatic(Scheduler):
+    """form_static_batch written from the contract; the subclasses below plant one mistake each."""
+
+    def fits(self, batch, request):
+        longest = max([r.num_prompt_tokens for r in batch] + [request.num_prompt_tokens])
+        return not batch or (len(batch) + 1) * longest <= self.config.max_batch_tokens
+
+    def reserve(self, request):
+        return request.num_prompt_tokens + request.params.max_new_tokens - 1
+
+    def form_static_batch(self, output):
+        for request in self.waiting:
+            if len(output.admitted) >= self.config.max_num_seqs:
+                break
+            fits = self.fits(output.admitted, request)
+            if fits and self.allocator.can_allocate(request.request_id, self.reserve(request)):
+                self.allocator.allocate(request.request_id, self.reserve(request))
+                output.admitted.append(request)
+            elif not self.skip_ahead:
+                break
+        return output.admitted
+
+    skip_ahead = False
+
+
+class SumsPrompts(LearnerStatic):
     """Counts the batch's prompt tokens instead of its padded rows."""
 
-    def form_static_batch(self, output):
-        used = 0
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            reserve = request.num_prompt_tokens + request.params.max_new_tokens - 1
-            if used + request.num_prompt_tokens > self.config.max_batch_tokens:
-                break
-            if not self.allocator.can_allocate(request.request_id, reserve):
-                break
-            self.waiting.popleft()
-            self.allocator.allocate(request.request_id, reserve)
-            used += request.num_prompt_tokens
-            self.admit(output, request)
+    def fits(self, batch, request):
+        return sum(r.num_prompt_tokens for r in [*batch, request]) <= self.config.max_batch_tokens
 
 
-class ReservesThePromptOnly(Scheduler):
-    def form_static_batch(self, output):
-        allocate = self.allocator.allocate
-        self.allocator.allocate = lambda rid, n: allocate(rid, self.requests[rid].num_prompt_tokens)
-        try:
-            super().form_static_batch(output)
-        finally:
-            del self.allocator.allocate
+class ReservesThePromptOnly(LearnerStatic):
+    def reserve(self, request):
+        return request.num_prompt_tokens
 
 
-class SkipsAhead(Scheduler):
-    """Moves a request that does not fit to the back and tries the next one."""
+class SkipsAhead(LearnerStatic):
+    skip_ahead = True
 
-    def form_static_batch(self, output):
-        skipped = deque()
-        while self.waiting:
-            before = len(self.running)
-            super().form_static_batch(output)
-            if not self.waiting or len(self.running) >= self.config.max_num_seqs:
-                break
-            skipped.append(self.waiting.popleft())
-            if len(self.running) == before and not self.waiting:
-                break
-        self.waiting.extendleft(reversed(skipped))
+
+def test_ex7_a_policy_written_from_the_contract_passes():
+    assert check(7, LearnerStatic, quiet=True).passed
 
 
 def test_ex7_planted_mistakes_are_named():
@@ -509,7 +505,13 @@ def test_an_exception_in_learner_code_surfaces_as_its_own(tiny_model):
     def broken(segments, block_size, scratch_slot):
         raise ZeroDivisionError("learner's bug")
 
-    engine = Engine(tiny_model(), EngineConfig(num_blocks=8), slot_mapping_fn=broken)
-    engine.add_request([3, 4, 5], SamplingParams(max_new_tokens=2))
+    model = tiny_model()
+    engine = Engine(model, EngineConfig(num_blocks=8), slot_mapping_fn=broken)
+    request_id = engine.add_request([3, 4, 5], SamplingParams(max_new_tokens=2))
     with pytest.raises(ZeroDivisionError, match="learner's bug"):
         engine.step()
+    engine.runner.slot_mapping_fn = slot_mapping  # the learner fixes the bug: the same engine carries on
+    while engine.has_unfinished():
+        engine.step()
+    expected = Engine(model, EngineConfig(num_blocks=8)).generate([[3, 4, 5]], SamplingParams(max_new_tokens=2))
+    assert engine.output(request_id).output_token_ids == expected[0].output_token_ids

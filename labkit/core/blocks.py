@@ -6,12 +6,19 @@ blocks, its *block table*; token ``i`` of the request lives in slot
 request grows one block at a time and nothing is reserved for tokens it may never generate.
 Each block carries a reference count and returns to the free queue only when it drops to zero: the
 hook that lets requests share the full blocks of a common prompt prefix (prefix caching).
+
+An engine step is all or nothing (see labkit.core.engine), so the allocator can take a checkpoint:
+``checkpoint()`` starts a journal, every later change records the function that undoes it, and
+``rollback()`` replays those backwards: free queue (in its order), block tables, reference counts,
+``num_slots``, pending events and ``step`` are as they were. ``commit()`` drops the journal. Entries are
+written only when blocks move, a few per step, so the safety net costs almost nothing when unused.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from functools import partial
 from typing import NamedTuple
 
 
@@ -29,7 +36,12 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockAllocator:
-    """A free-block queue with per-block reference counts and per-request block tables."""
+    """A free-block queue with per-block reference counts and per-request block tables.
+
+    A subclass that changes this state only through the methods below is rolled back for free. One with
+    state of its own (a prefix cache's hash -> block map, say) journals each change with
+    :meth:`record_undo`, or overrides ``checkpoint``/``rollback`` to save and restore it (calling super()).
+    """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
@@ -45,6 +57,8 @@ class BlockAllocator:
         self.num_slots: dict[Hashable, int] = {}  # token slots each request has claimed
         self.events: list[BlockEvent] = []  # drained by the engine once per step
         self.step = 0
+        self._journal: list[Callable[[], None]] | None = None  # undo functions since checkpoint(), oldest first
+        self._saved: tuple[int, int, dict[Hashable, int]] = (0, 0, {})  # step, len(events), num_slots
 
     @property
     def num_free_blocks(self) -> int:
@@ -71,7 +85,10 @@ class BlockAllocator:
         needed = self.blocks_needed(request_id, num_tokens)
         if needed > len(self.free_blocks):
             raise NoFreeBlocksError(f"request {request_id!r} needs {needed} blocks, only {len(self.free_blocks)} free")
-        table = self.block_tables.setdefault(request_id, [])
+        table = self.block_tables.get(request_id)
+        if table is None:
+            table = self.block_tables[request_id] = []
+            self.record_undo(partial(self.block_tables.pop, request_id))
         new_blocks = []
         for _ in range(needed):
             block = self.free_blocks.popleft()
@@ -79,6 +96,8 @@ class BlockAllocator:
             self.events.append(BlockEvent("alloc", block, request_id, self.step))
             new_blocks.append(block)
         table.extend(new_blocks)
+        if new_blocks:
+            self.record_undo(partial(self._undo_allocate, table, new_blocks))
         self.num_slots[request_id] = max(self.num_slots.get(request_id, 0), num_tokens)
         return new_blocks
 
@@ -106,6 +125,7 @@ class BlockAllocator:
                 self.free_blocks.append(block)
                 released.append(block)
                 self.events.append(BlockEvent("free", block, request_id, self.step))
+        self.record_undo(partial(self._undo_free, request_id, table, len(released)))
         return released
 
     def slot(self, request_id: Hashable, token_index: int) -> int:
@@ -121,3 +141,41 @@ class BlockAllocator:
     def drain_events(self) -> list[BlockEvent]:
         events, self.events = self.events, []
         return events
+
+    # ------------------------------------------------------------------ checkpoint and rollback
+    def checkpoint(self) -> None:
+        """Start a journal: a later ``rollback()`` brings the allocator back to this moment."""
+        self._journal = []
+        self._saved = (self.step, len(self.events), self.num_slots.copy())  # num_slots moves every step
+
+    def record_undo(self, undo: Callable[[], None]) -> None:
+        """Journal ``undo``, a function that reverts a change just made; nothing happens without a checkpoint."""
+        if self._journal is not None:
+            self._journal.append(undo)
+
+    def commit(self) -> None:
+        """Keep every change made since ``checkpoint()`` and stop journalling."""
+        self._journal = None
+
+    def rollback(self) -> None:
+        """Undo every change made since ``checkpoint()``, newest first; a no-op without a checkpoint."""
+        journal, self._journal = self._journal, None
+        if journal is None:
+            return
+        for undo in reversed(journal):
+            undo()
+        self.step, num_events, self.num_slots = self._saved
+        del self.events[num_events:]
+
+    def _undo_allocate(self, table: list[int], new_blocks: list[int]) -> None:
+        del table[len(table) - len(new_blocks) :]
+        for block in reversed(new_blocks):  # back to the front of the queue, in their order
+            self.ref_counts[block] -= 1
+            self.free_blocks.appendleft(block)
+
+    def _undo_free(self, request_id: Hashable, table: list[int], num_released: int) -> None:
+        for _ in range(num_released):  # they went to the back of the queue
+            self.free_blocks.pop()
+        for block in table:
+            self.ref_counts[block] += 1
+        self.block_tables[request_id] = table

@@ -14,7 +14,20 @@ Two policies:
 * ``"static"`` - the classic padded batch: a new batch starts only when the previous one has fully
   finished; each member reserves blocks for prompt + ``max_new_tokens`` up front; finished members
   keep their row (computed and thrown away) until the longest member is done. Those rows, and the
-  padding of shorter prompts, are counted as wasted slots.
+  padding of shorter prompts, are counted as wasted slots. A padded batch is a rectangle: its ``n``
+  rows are as long as the longest prompt ``L``, so its prefill computes ``n * L`` rows, of which
+  ``n * L - sum(prompts)`` are padding. Members join a batch while that rectangle fits one step's
+  budget; a prompt longer than the budget forms a batch of its own (it has nothing to pad) and is
+  prefilled in chunks of the budget, as continuous batching would. Decoding starts once every
+  member's prompt is in.
+
+A step is a plan and then a commit. ``schedule()`` only *plans*: it reads the queues and requests
+and returns a SchedulerOutput, and the only state it changes is the allocator's (blocks for the
+chunks, blocks freed by preemption), inside an allocator checkpoint. ``update()`` *commits* the plan
+once the model has run: it moves admitted and preempted requests between the queues, advances each
+chunk's ``num_computed_tokens``, records the sampled tokens. If anything fails in between,
+``rollback()`` undoes the allocator and the scheduler is exactly as before ``schedule()``: nothing
+else was touched. A subclass keeps that contract by changing requests and queues only in ``update``.
 """
 
 from __future__ import annotations
@@ -53,6 +66,11 @@ class SchedulerOutput:
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
+    def add_chunk(self, request: Request, start: int, num_tokens: int, is_prefill: bool) -> None:
+        """Plan tokens ``start .. start + num_tokens - 1`` of ``request``; reaching its last token samples."""
+        samples = start + num_tokens == request.num_tokens
+        self.chunks.append(ScheduledChunk(request, start, num_tokens, is_prefill, samples))
+
     @property
     def num_tokens(self) -> int:
         """Token rows the model computes this step, padding included."""
@@ -77,6 +95,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.requests: dict[int, Request] = {}  # every unfinished request, by id
         self.step_index = 0
+        self.evict_first: list[Request] = []  # preempted by a step that failed: see rollback()
 
     # ------------------------------------------------------------------ requests in and out
     def check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
@@ -90,10 +109,10 @@ class Scheduler:
                 f" cache slots, but the whole KV cache holds {capacity}"
                 f" ({self.allocator.num_blocks} blocks x {self.allocator.block_size})"
             )
-        if cfg.policy == "static" and num_prompt_tokens > cfg.max_batch_tokens:
+        if cfg.policy == "static" and not cfg.chunked_prefill and num_prompt_tokens > cfg.max_batch_tokens:
             raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) is longer than max_batch_tokens"
-                f" ({cfg.max_batch_tokens}); the static policy prefills a prompt in one step"
+                f"prompt ({num_prompt_tokens} tokens) is longer than max_batch_tokens ({cfg.max_batch_tokens});"
+                " without chunked prefill the static policy prefills a prompt in one step"
             )
         if cfg.policy == "continuous" and not cfg.chunked_prefill and needed > cfg.max_batch_tokens:
             raise ValueError(
@@ -118,6 +137,7 @@ class Scheduler:
             self.waiting.remove(request)
         elif self.config.policy == "continuous":
             self.running.remove(request)
+            self.allocator.free(request_id)
         self._finish(request, "abort", now)
         if self.config.policy == "static":
             self._end_static_batch_if_done()
@@ -128,53 +148,112 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
-        self.step_index += 1
-        self.allocator.step = self.step_index
+        """Plan the next step. Only the allocator changes here, inside a checkpoint; ``update`` commits."""
+        self.allocator.checkpoint()
+        self.allocator.step = self.step_index + 1
         if self.config.policy == "static":
             return self._schedule_static()
         return self.schedule_continuous()
 
+    def rollback(self, output: SchedulerOutput | None = None) -> None:
+        """Forget the planned step: put the allocator back as it was before ``schedule()``.
+
+        What the model wrote into the KV cache cannot be rolled back: if the step preempted requests,
+        their blocks may now hold other requests' keys and values. So the next plan evicts them first,
+        as the failed step did (when nothing changed in between, that is the very same plan).
+        """
+        self.allocator.rollback()
+        if output is not None and output.preempted:
+            self.evict_first = list(output.preempted)
+
     def update(self, output: SchedulerOutput, sampled: Sequence[int], now: float) -> list[Request]:
-        """Record the tokens the model produced (one per sampling chunk, in order); return finished requests."""
+        """Commit the planned step with the tokens the model produced (one per sampling chunk, in order).
+
+        What can fail comes first, while the allocator can still roll back: the check of ``sampled`` and
+        freeing the blocks of the requests this step finishes (a plugged-in allocator may raise). Then
+        the allocator commits and the plan is applied with plain assignments: the queues, each chunk's
+        ``num_computed_tokens``, the new tokens. Returns the requests that finished.
+        """
+        sampling = [chunk.request for chunk in output.chunks if chunk.samples]
+        if len(sampled) != len(sampling):
+            raise ValueError(f"the step samples {len(sampling)} tokens, but the model returned {len(sampled)}")
+        reasons = list(map(Request.finish_reason_for, sampling, sampled))
+        finishing = [r for r, why in zip(sampling, reasons, strict=True) if why] if any(reasons) else []
+        ends_batch = self._free_finished(output, finishing)
+        self.allocator.commit()  # the point of no return
+
+        self.step_index = output.step
+        self.evict_first = []
+        if output.preempted:  # they were the end of the running list
+            del self.running[len(self.running) - len(output.preempted) :]
+        self.running.extend(output.admitted)
+        for request in output.admitted:  # they were the head of the queue
+            self.waiting.popleft()
+            request.state = RequestState.PREFILLING
+        for victim in output.preempted:
+            self.requeue_preempted(victim)
+
         finished = []
-        tokens = iter(sampled)
+        results = zip(sampled, reasons, strict=True)
         for chunk in output.chunks:
+            request = chunk.request
+            request.num_computed_tokens = chunk.start + chunk.num_tokens
             if not chunk.samples:
                 continue
-            request = chunk.request
+            token, reason = next(results)
             metrics = request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.token_times.append(now)
             request.state = RequestState.DECODING
-            reason = request.append_token(next(tokens))
+            request.output_token_ids.append(token)
             if reason is not None:
                 self._finish(request, reason, now)
                 finished.append(request)
-        if finished:
-            if self.config.policy == "continuous":
-                self.running = [r for r in self.running if r.state is not RequestState.FINISHED]
-            else:
-                self._end_static_batch_if_done()
+        if finished and self.config.policy == "continuous":
+            self.running = [r for r in self.running if r.state is not RequestState.FINISHED]
+        elif ends_batch:
+            self.running = []
         return finished
+
+    def _free_finished(self, output: SchedulerOutput, finishing: list[Request]) -> bool:
+        """Free the blocks this step gives back; return whether it ends the static batch.
+
+        Continuous batching frees a finished request's blocks at once; a static batch keeps every
+        member's blocks until its last member finishes.
+        """
+        if self.config.policy == "continuous":
+            for request in finishing:
+                self.allocator.free(request.request_id)
+            return False
+        if not finishing:
+            return False
+        batch = self.running or output.admitted
+        if any(r.state is not RequestState.FINISHED and r not in finishing for r in batch):
+            return False
+        for request in batch:
+            self.allocator.free(request.request_id)
+        return True
 
     # ------------------------------------------------------------------ continuous batching
     def schedule_continuous(self) -> SchedulerOutput:
-        """One continuous-batching step (exercise 3): running requests first, then admissions, within the budget.
+        """Plan one continuous-batching step within the token budget (exercise 3).
 
-        Running requests go in admission order, each with one decode token or the next chunk of its
-        prompt; when one needs a block and none is free, :meth:`preempt_one` evicts the youngest. Then
-        waiting requests are admitted in arrival order while budget, ``max_num_seqs`` and free blocks
-        allow, unless this step preempted. A prompt that does not fit the budget is chunked when
-        ``chunked_prefill`` is on, and otherwise waits for a step with room.
+        Running requests first, in admission order, each with its next decode token or prompt chunk;
+        when one needs a block and none is free, the most recently admitted running request is
+        preempted (:meth:`preempt`). Then waiting requests are admitted in arrival order while budget,
+        ``max_num_seqs`` and free blocks allow, unless this step preempted. A prompt that does not fit
+        the budget is chunked when ``chunked_prefill`` is on, and otherwise waits for a step with room.
         """
-        cfg, allocator = self.config, self.allocator
-        output = SchedulerOutput(step=self.step_index, chunks=[])
+        cfg, allocator, running = self.config, self.allocator, self.running
+        output = SchedulerOutput(step=self.step_index + 1, chunks=[])
         budget = cfg.max_batch_tokens
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        i, end_of_running = 0, len(running)  # victims leave from the end: running[end_of_running:]
+        # A failed step's victims (still the end of the list, unless aborted since) must not run.
+        end_of_runnable = end_of_running - sum(1 for r in self.evict_first if r.state is not RequestState.FINISHED)
+        while i < end_of_runnable and budget > 0:
+            request = running[i]
             remaining = request.num_tokens - request.num_computed_tokens
             num_tokens = min(remaining, budget)
             if num_tokens < remaining and not cfg.chunked_prefill:
@@ -182,88 +261,97 @@ class Scheduler:
                 continue
             end = request.num_computed_tokens + num_tokens
             needed = allocator.blocks_needed(request.request_id, end)  # usually 0: decodes fill the last block
-            while needed > allocator.num_free_blocks and self.preempt_one(output) is not request:
-                pass
-            if request.state is RequestState.WAITING:  # preempted itself: nothing younger was left
+            while needed > allocator.num_free_blocks and end_of_running > i:
+                end_of_running -= 1
+                self.preempt(output, running[end_of_running])  # the most recently admitted
+            if end_of_running == i:  # preempted itself: nothing younger was left
                 break
+            end_of_runnable = min(end_of_runnable, end_of_running)
             allocator.allocate(request.request_id, end)
-            self.add_chunk(output, request, num_tokens)
+            output.add_chunk(request, request.num_computed_tokens, num_tokens, request.state is RequestState.PREFILLING)
             budget -= num_tokens
             i += 1
+        while end_of_running > end_of_runnable:  # the failed step's victims that nothing has evicted yet
+            end_of_running -= 1
+            self.preempt(output, running[end_of_running])
 
         # Admit new work only when nothing had to be preempted: otherwise we would evict and admit at once.
-        while self.waiting and budget > 0 and not output.preempted and len(self.running) < cfg.max_num_seqs:
-            request = self.waiting[0]
+        seats = cfg.max_num_seqs - len(running)
+        for request in self.waiting:
+            if budget <= 0 or output.preempted or len(output.admitted) >= seats:
+                break
             remaining = request.num_tokens
             num_tokens = min(remaining, budget)
             if num_tokens < remaining and not cfg.chunked_prefill:
                 break
             if not allocator.can_allocate(request.request_id, num_tokens):
                 break
-            self.waiting.popleft()
             allocator.allocate(request.request_id, num_tokens)
-            self.admit(output, request)
-            self.add_chunk(output, request, num_tokens)
+            output.admitted.append(request)
+            output.add_chunk(request, 0, num_tokens, True)
             budget -= num_tokens
         return output
 
-    def preempt_one(self, output: SchedulerOutput) -> Request:
-        """Evict the most recently admitted running request to free its blocks (exercise 4); return it.
+    def preempt(self, output: SchedulerOutput, victim: Request) -> None:
+        """Plan to preempt ``victim`` (exercise 4): free all its blocks now and list it in ``output.preempted``."""
+        self.allocator.free(victim.request_id)
+        output.preempted.append(victim)
 
-        The victim leaves ``running``, gives all its blocks back, and goes to the front of the waiting
-        queue with ``num_computed_tokens = 0``: it is recomputed from its prompt plus the tokens it has
-        already generated, so its output is unchanged. It is listed in ``output.preempted``.
+    def requeue_preempted(self, victim: Request) -> None:
+        """Commit a preemption (exercise 4): ``victim`` waits again, at the front, to be recomputed from scratch.
+
+        Its keys and values went with its blocks, so ``num_computed_tokens`` restarts at 0; it keeps the
+        tokens it generated, so recomputing prompt + output gives the same next tokens as before.
         """
-        request = self.running.pop()
-        self.allocator.free(request.request_id)
-        request.num_computed_tokens = 0
-        request.state = RequestState.WAITING
-        request.metrics.num_preemptions += 1
-        self.waiting.appendleft(request)
-        output.preempted.append(request)
-        return request
+        victim.state = RequestState.WAITING
+        victim.num_computed_tokens = 0
+        victim.metrics.num_preemptions += 1
+        self.waiting.appendleft(victim)
 
     # ------------------------------------------------------------------ static batching
     def _schedule_static(self) -> SchedulerOutput:
-        output = SchedulerOutput(step=self.step_index, chunks=[])
-        if not self.running:  # the previous batch is completely done: form a new one
-            self.form_static_batch(output)
-            longest = max((r.num_prompt_tokens for r in self.running), default=0)
-            for request in self.running:
-                self.add_chunk(output, request, request.num_prompt_tokens)
-                if request.num_prompt_tokens < longest:  # right-padding up to the longest prompt
-                    pad = longest - request.num_prompt_tokens
-                    output.padding.append(ScheduledChunk(request, request.num_prompt_tokens, pad, True, False))
+        output = SchedulerOutput(step=self.step_index + 1, chunks=[])
+        batch = self.running or self.form_static_batch(output)
+        if not batch:
             return output
-
-        for request in self.running:
+        if any(r.num_computed_tokens < r.num_prompt_tokens for r in batch):  # prefill the padded batch's next columns
+            longest = max(r.num_prompt_tokens for r in batch)
+            done = max(r.num_computed_tokens for r in batch)  # prompt columns computed in every row
+            width = min(self.config.max_batch_tokens // len(batch), longest - done)
+            for request in batch:
+                real = min(done + width, request.num_prompt_tokens) - done
+                output.add_chunk(request, done, real, True)
+                if real < width:  # right-padding of a shorter prompt
+                    output.padding.append(ScheduledChunk(request, done + real, width - real, True, False))
+            return output
+        for request in batch:  # every prompt is in: one decode row per member, finished ones included
             if request.state is RequestState.FINISHED:  # a dead row that stays in the batch
                 output.padding.append(ScheduledChunk(request, request.num_computed_tokens, 1, False, False))
             else:
-                self.add_chunk(output, request, 1)
+                output.add_chunk(request, request.num_computed_tokens, 1, False)
         return output
 
-    def form_static_batch(self, output: SchedulerOutput) -> None:
-        """The static policy's admission rule (exercise 7): admit the next batch, in arrival order.
+    def form_static_batch(self, output: SchedulerOutput) -> list[Request]:
+        """The previous batch is done: plan a new one from the head of the queue (exercise 7; ``update`` admits it).
 
-        Called when the previous batch has completely finished. Waiting requests join while the batch
-        has fewer than ``max_num_seqs`` members, its padded prompt rows (members x longest prompt) stay
-        within ``max_batch_tokens``, and the allocator can reserve each member's blocks for prompt +
-        ``max_new_tokens`` - 1 tokens up front; the first request that does not fit ends the batch.
-        Each member is reserved and then admitted with :meth:`admit`.
+        Members join while seats and cache allow and the prompts, padded to the longest, still prefill in
+        one step; a first prompt longer than the budget makes a batch of one. Each member reserves blocks
+        for prompt + ``max_new_tokens`` up front.
         """
-        cfg, allocator = self.config, self.allocator
-        longest = 0
-        while self.waiting and len(self.running) < cfg.max_num_seqs:
-            request = self.waiting[0]
-            padded_rows = (len(self.running) + 1) * max(longest, request.num_prompt_tokens)
-            reserve = request.num_prompt_tokens + request.params.max_new_tokens - 1
-            if padded_rows > cfg.max_batch_tokens or not allocator.can_allocate(request.request_id, reserve):
+        cfg, allocator, longest = self.config, self.allocator, 0
+        for request in self.waiting:
+            if len(output.admitted) >= cfg.max_num_seqs:
                 break
-            self.waiting.popleft()
+            padded_longest = max(longest, request.num_prompt_tokens)
+            if output.admitted and (len(output.admitted) + 1) * padded_longest > cfg.max_batch_tokens:
+                break
+            reserve = request.num_prompt_tokens + request.params.max_new_tokens - 1
+            if not allocator.can_allocate(request.request_id, reserve):
+                break
             allocator.allocate(request.request_id, reserve)
-            longest = max(longest, request.num_prompt_tokens)
-            self.admit(output, request)
+            longest = padded_longest
+            output.admitted.append(request)
+        return output.admitted
 
     def _end_static_batch_if_done(self) -> None:
         if self.running and all(r.state is RequestState.FINISHED for r in self.running):
@@ -272,24 +360,8 @@ class Scheduler:
             self.running = []
 
     # ------------------------------------------------------------------ shared helpers
-    def admit(self, output: SchedulerOutput, request: Request) -> None:
-        """Move a request (already taken off ``waiting``, its blocks allocated) into ``running``."""
-        request.state = RequestState.PREFILLING
-        self.running.append(request)
-        output.admitted.append(request)
-
-    def add_chunk(self, output: SchedulerOutput, request: Request, num_tokens: int) -> None:
-        """Schedule the request's next ``num_tokens`` tokens this step and count them as computed."""
-        start = request.num_computed_tokens
-        is_prefill = request.state is RequestState.PREFILLING
-        request.num_computed_tokens = start + num_tokens
-        samples = request.num_computed_tokens == request.num_tokens
-        output.chunks.append(ScheduledChunk(request, start, num_tokens, is_prefill, samples))
-
     def _finish(self, request: Request, reason: str, now: float) -> None:
         request.state = RequestState.FINISHED
         request.finish_reason = reason
         request.metrics.finish_time = now
         del self.requests[request.request_id]
-        if self.config.policy == "continuous" and request.request_id in self.allocator.block_tables:
-            self.allocator.free(request.request_id)

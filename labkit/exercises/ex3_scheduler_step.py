@@ -15,7 +15,7 @@ BUDGET_HINT = (
     "keep a budget = max_batch_tokens, give each chunk min(remaining tokens, budget) and subtract it;"
     " stop when the budget reaches 0"
 )
-SEQS_HINT = "admit only while len(self.running) < self.config.max_num_seqs"
+SEQS_HINT = "admit only while len(self.running) + len(output.admitted) < self.config.max_num_seqs"
 ORDER_HINT = (
     "first walk self.running in order (each gets its next decode token or prompt chunk), and only then"
     " admit from self.waiting: a running request is never starved by a newcomer"
@@ -67,13 +67,14 @@ CASES = [
     _case(
         "a lone prompt is prefilled in one step, then decodes one token a step",
         [(6, 3)],
-        "a waiting request that fits is admitted (self.admit) with its whole prompt as one chunk"
-        " (self.add_chunk); from then on it is in self.running and gets one token a step",
+        "a waiting request that fits is admitted (output.admitted.append) with its whole prompt as one chunk"
+        " (output.add_chunk(request, 0, n, True)); once admitted it is in self.running and gets one token a step",
     ),
     _case(
         "requests are admitted in arrival order while the budget allows",
         [(8, 2), (8, 2), (8, 2), (8, 2)],
-        "take requests from the front of self.waiting (popleft) while budget, max_num_seqs and free blocks allow",
+        "walk self.waiting from the front, in order, while budget, max_num_seqs and free blocks allow"
+        " (do not pop: update() takes the admitted requests off the queue)",
         max_batch_tokens=20,
     ),
     _case(
@@ -113,9 +114,10 @@ CASES = [
     _case(
         "a request that needs a block when none is free preempts the youngest",
         [(6, 10), (6, 10), (6, 10)],
-        "before allocating a running request's chunk, call self.preempt_one(output) while"
-        " allocator.blocks_needed(...) > allocator.num_free_blocks; stop if it preempted this very request,"
-        " and admit nothing in a step that preempted",
+        "before allocating a running request's chunk, while allocator.blocks_needed(...) >"
+        " allocator.num_free_blocks, preempt the youngest running request not yet preempted"
+        " (self.preempt(output, victim)); stop if that is this very request, and admit nothing in a step that"
+        " preempted",
         num_blocks=9,
     ),
     property_case("random workloads are scheduled like labkit's scheduler", _strategy, _property, max_examples=40),

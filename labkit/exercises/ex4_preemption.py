@@ -1,4 +1,9 @@
-"""Checks for exercise 4, preemption (Scheduler.preempt_one): evict, free, requeue, recompute unchanged."""
+"""Checks for exercise 4, preemption: plan it (Scheduler.preempt), commit it (Scheduler.requeue_preempted).
+
+The victim cases run one scenario, three requests decoding in a cache too small for all of them, until
+the step that preempts, and then look at one part of the contract each; the other cases compare whole
+runs with labkit's scheduler and with a run that never preempts.
+"""
 
 from __future__ import annotations
 
@@ -6,101 +11,82 @@ from typing import Any
 
 from labkit.core.engine import Engine
 from labkit.core.request import RequestState, SamplingParams
-from labkit.core.scheduler import Scheduler, SchedulerOutput
+from labkit.core.scheduler import Scheduler
 from labkit.core.sim import SimulatedModel
-from labkit.exercises.engine_runs import config, describe, lockstep, prompts
-from labkit.exercises.framework import Case, Exercise, Mismatch, property_case
+from labkit.exercises.engine_runs import config, describe, lockstep, prompts, step_text
+from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing
 
-SCENARIO = [(6, 12), (5, 12), (7, 12)]  # three running requests, in admission order r0, r1, r2
+# Prompts of one block each, so the first decode needs a second block; three run (max_num_seqs), r3 waits.
+SCENARIO = [(4, 12), (4, 12), (4, 12), (4, 12)]
+SCENARIO_CONFIG = config(num_blocks=5, max_num_seqs=3)  # 3 blocks after prefill, 2 free: r2 is preempted
+VICTIM = 2
 
 
-def _after_one_preemption(cls: Any) -> tuple[Engine, Any, Any, str]:
-    """Three requests admitted and decoding, one more waiting; then the learner's preempt_one, called once."""
-    cfg = config(num_blocks=32)
-    engine = Engine(SimulatedModel(), cfg, scheduler_cls=cls)
-    for prompt in prompts([*SCENARIO, (4, 2)]):
+def _preempting_step(cls: Any) -> tuple[Engine, Any, dict[str, Any], str]:
+    """Serve the scenario with ``cls`` until a step preempts; return the engine, that report and the state before."""
+    engine = Engine(SimulatedModel(), SCENARIO_CONFIG, scheduler_cls=cls)
+    for prompt in prompts(SCENARIO):
         engine.add_request(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
-    engine.scheduler.config = config(num_blocks=32, max_num_seqs=3)  # r3 stays waiting
+    text = describe(SCENARIO_CONFIG, SCENARIO)
+    showing(text)
     for _ in range(3):
-        engine.step()
-    scheduler = engine.scheduler
-    output = SchedulerOutput(step=scheduler.step_index, chunks=[])
-    before = {
-        "running": [r.request_id for r in scheduler.running],
-        "waiting": [r.request_id for r in scheduler.waiting],
-        "free": engine.allocator.num_free_blocks,
-        "blocks": {r.request_id: len(engine.allocator.block_tables[r.request_id]) for r in scheduler.running},
-    }
-    text = (
-        "three requests r0, r1, r2 admitted in that order and decoding, r3 waiting;"
-        f" running {before['running']}, waiting {before['waiting']}, {before['free']} free blocks\n"
-        "victim = scheduler.preempt_one(output)"
-    )
-    victim = scheduler.preempt_one(output)
-    return engine, output, victim, text, before  # type: ignore[return-value]
+        before = {"blocks": len(engine.allocator.block_tables.get(VICTIM, ())), "free": engine.num_free_blocks}
+        report = engine.step()
+        text += f"\nstep {report.step}: {step_text(report)}"
+        showing(text)
+        if report.preempted:
+            return engine, report, before, text
+    raise Mismatch(text, f"step 2 preempts r{VICTIM}", "no step preempted", _PLAN_HINT)
+
+
+_PLAN_HINT = "preempt(output, victim) frees the victim's blocks and lists it: output.preempted.append(victim)"
 
 
 def _victim_case(name: str, hint: str, check: Any) -> Case:
     def run(cls: Any) -> None:
-        engine, output, victim, text, before = _after_one_preemption(cls)
-        problem = check(engine, output, victim, before)
+        engine, report, before, text = _preempting_step(cls)
+        problem = check(engine, report, before)
         if problem is not None:
-            expected, got = problem
-            raise Mismatch(text, expected, got, hint)
+            raise Mismatch(text, *problem, hint)
 
     return Case(name, run, hint)
 
 
-def _victim(engine: Engine, output: Any, victim: Any, before: Any) -> tuple[str, str] | None:
-    want = before["running"][-1]
-    got = getattr(victim, "request_id", victim)
-    if got != want:
-        return f"returns r{want}, the most recently admitted running request", f"returns {victim!r}"
+def _listed(engine: Engine, report: Any, before: dict[str, Any]) -> tuple[str, str] | None:
     running = [r.request_id for r in engine.scheduler.running]
-    if running != before["running"][:-1]:
-        return f"running becomes {before['running'][:-1]}", f"running is {running}"
+    if list(report.preempted) != [VICTIM] or running != [0, 1]:
+        return f"preempted [{VICTIM}], running [0, 1]", f"preempted {list(report.preempted)}, running {running}"
     return None
 
 
-def _blocks(engine: Engine, output: Any, victim: Any, before: Any) -> tuple[str, str] | None:
-    rid = before["running"][-1]
-    free = engine.allocator.num_free_blocks
-    want = before["free"] + before["blocks"][rid]
-    if rid in engine.allocator.block_tables or free != want:
-        owns = engine.allocator.block_tables.get(rid)
-        return (
-            f"r{rid} owns no blocks; {want} blocks free",
-            f"r{rid} owns {owns if owns is not None else 'no blocks'}; {free} blocks free",
-        )
+def _blocks(engine: Engine, report: Any, before: dict[str, Any]) -> tuple[str, str] | None:
+    owns = engine.allocator.block_tables.get(VICTIM)
+    if owns is not None:
+        return f"r{VICTIM} owns no blocks", f"r{VICTIM} still owns blocks {owns}"
     return None
 
 
-def _computed(engine: Engine, output: Any, victim: Any, before: Any) -> tuple[str, str] | None:
-    request = engine.requests[before["running"][-1]]
+def _computed(engine: Engine, report: Any, before: dict[str, Any]) -> tuple[str, str] | None:
+    request = engine.requests[VICTIM]
     if request.num_computed_tokens != 0 or request.state is not RequestState.WAITING:
         return (
-            "num_computed_tokens == 0 and state RequestState.WAITING",
-            f"num_computed_tokens == {request.num_computed_tokens} and state {request.state}",
+            f"r{VICTIM}.num_computed_tokens == 0 and state RequestState.WAITING",
+            f"r{VICTIM}.num_computed_tokens == {request.num_computed_tokens} and state {request.state}",
         )
     return None
 
 
-def _requeued(engine: Engine, output: Any, victim: Any, before: Any) -> tuple[str, str] | None:
+def _requeued(engine: Engine, report: Any, before: dict[str, Any]) -> tuple[str, str] | None:
     waiting = [r.request_id for r in engine.scheduler.waiting]
-    want = [before["running"][-1], *before["waiting"]]
-    if waiting != want:
-        return f"waiting is {want}", f"waiting is {waiting}"
+    if waiting[:1] != [VICTIM]:
+        return f"r{VICTIM} first in the waiting queue", f"waiting is {waiting}"
     return None
 
 
-def _recorded(engine: Engine, output: Any, victim: Any, before: Any) -> tuple[str, str] | None:
-    rid = before["running"][-1]
-    listed = [r.request_id for r in output.preempted]
-    count = engine.requests[rid].metrics.num_preemptions
-    if listed != [rid] or count != 1:
-        return f"output.preempted == [r{rid}] and its metrics.num_preemptions == 1", (
-            f"output.preempted == {listed} and num_preemptions == {count}"
-        )
+def _counted(engine: Engine, report: Any, before: dict[str, Any]) -> tuple[str, str] | None:
+    count = engine.requests[VICTIM].metrics.num_preemptions
+    if count != 1:
+        return f"r{VICTIM}.metrics.num_preemptions == 1", f"num_preemptions == {count}"
     return None
 
 
@@ -134,30 +120,31 @@ def _property(cls: Any, example: Any) -> None:
 
 CASES = [
     _victim_case(
-        "the victim is the most recently admitted running request",
-        "self.running is in admission order: the victim is its last entry (self.running.pop())",
-        _victim,
+        "the plan lists the victim in output.preempted",
+        f"{_PLAN_HINT}; update() then takes the listed victims off the end of self.running",
+        _listed,
     ),
     _victim_case(
         "the victim's blocks all go back to the free queue",
-        "call self.allocator.free(request.request_id): a preempted request keeps no blocks",
+        "in preempt(), self.allocator.free(victim.request_id): a preempted request keeps no blocks, that is"
+        " the point of preempting it",
         _blocks,
     ),
     _victim_case(
         "the victim's computed tokens restart at 0 and it waits again",
-        "its keys and values are gone with its blocks: set request.num_computed_tokens = 0 and"
-        " request.state = RequestState.WAITING, so it is recomputed from its prompt and its output so far",
+        "its keys and values went with its blocks: in requeue_preempted(), set victim.num_computed_tokens = 0"
+        " and victim.state = RequestState.WAITING, so it is recomputed from its prompt and its output so far",
         _computed,
     ),
     _victim_case(
         "the victim goes to the front of the waiting queue",
-        "self.waiting.appendleft(request): a preempted request runs again before newer arrivals",
+        "self.waiting.appendleft(victim): a preempted request runs again before newer arrivals",
         _requeued,
     ),
     _victim_case(
-        "the victim is listed in output.preempted and counted in its metrics",
-        "output.preempted.append(request) and request.metrics.num_preemptions += 1: the step report shows them",
-        _recorded,
+        "the victim's preemption is counted in its metrics",
+        "victim.metrics.num_preemptions += 1: serving dashboards (and labkit's metrics) count preemptions",
+        _counted,
     ),
     Case(
         "a preempted request's output is unchanged",

@@ -12,7 +12,7 @@ from labkit.exercises.engine_runs import Workload, config, lockstep, max_seqs_ru
 from labkit.exercises.framework import Case, Exercise, property_case
 
 PADDING_HINT = (
-    "a static batch is padded to its longest prompt: admit the next request only if"
+    "a static batch is padded to its longest prompt: admit the next request only if the batch is empty or"
     " (members + 1) * max(longest prompt so far, its prompt) <= max_batch_tokens"
 )
 RESERVE_HINT = (
@@ -20,17 +20,18 @@ RESERVE_HINT = (
     " num_prompt_tokens + params.max_new_tokens - 1) (the last token is never fed back, so it needs no slot)"
 )
 ORDER_HINT = "the first waiting request that does not fit ends the batch (break): never skip ahead of it"
-SEQS_HINT = "admit only while len(self.running) < self.config.max_num_seqs"
+SEQS_HINT = "admit only while len(output.admitted) < self.config.max_num_seqs"
 
 
 def padded_rows_rule(engine: Engine, report: StepReport, cfg: EngineConfig) -> str | None:
-    if not report.admitted:
+    if len(report.admitted) < 2:  # a prompt longer than the budget makes a batch of its own
         return None
-    rows = sum(w.num_tokens for w in report.scheduled) + report.wasted_slots
+    longest = max(engine.requests[i].num_prompt_tokens for i in report.admitted)
+    rows = len(report.admitted) * longest
     if rows > cfg.max_batch_tokens:
         return (
-            f"step {report.step} forms a batch of {len(report.admitted)} padded to"
-            f" {rows // len(report.admitted)} tokens = {rows} rows, but max_batch_tokens is {cfg.max_batch_tokens}"
+            f"step {report.step} forms a batch of {len(report.admitted)} padded to {longest} tokens"
+            f" = {rows} rows, but max_batch_tokens is {cfg.max_batch_tokens}"
         )
     return None
 
@@ -77,7 +78,8 @@ CASES = [
     _case(
         "a batch admits waiting requests in arrival order",
         [(4, 3), (6, 2), (5, 4)],
-        "take requests from the front of self.waiting (popleft), allocate, then self.admit(output, request)",
+        "walk self.waiting from the front, in order (do not pop: update() admits the planned batch);"
+        " allocate, then output.admitted.append(request); return output.admitted",
     ),
     _case("max_num_seqs caps a batch", [(3, 2)] * 5, SEQS_HINT, max_num_seqs=2),
     _case(

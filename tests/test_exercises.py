@@ -5,7 +5,6 @@ engine's seams give labkit's own tokens."""
 from __future__ import annotations
 
 import json
-from collections import deque
 from pathlib import Path
 
 import pytest

@@ -1,1 +1,1 @@
-"""The learners' exercise files (exN_<topic>.py) and notebooks; a package only so that pytest keeps its conftest apart."""
+"""Learners' exercise files and notebooks; a package only so that pytest keeps its conftest apart."""

@@ -165,7 +165,8 @@ try {
   // Pause, then hover the first block: plotly.js shows the cell's details.
   await page.locator(".labkit-play button").first().click();
   await page.waitForTimeout(800);
-  const box = await page.locator(".labkit-blockmap-figure .heatmaplayer image").boundingBox();
+  await blockMap.scrollIntoViewIfNeeded();
+  const box = await page.locator(".labkit-blockmap-figure .heatmaplayer image").first().boundingBox();
   const [rows, columns] = await page.evaluate(() => {
     const z = document.querySelector(".labkit-blockmap-figure .js-plotly-plot").data[0].z;
     return [z.length, z[0].length];

@@ -153,7 +153,7 @@ class Scheduler:
         self.allocator.step = self.step_index + 1
         if self.config.policy == "static":
             return self._schedule_static()
-        return self._schedule_continuous()
+        return self.schedule_continuous()
 
     def rollback(self, output: SchedulerOutput | None = None) -> None:
         """Forget the planned step: put the allocator back as it was before ``schedule()``.
@@ -190,11 +190,8 @@ class Scheduler:
         for request in output.admitted:  # they were the head of the queue
             self.waiting.popleft()
             request.state = RequestState.PREFILLING
-        for victim in output.preempted:  # back to the front of the queue, to be recomputed from scratch
-            victim.state = RequestState.WAITING
-            victim.num_computed_tokens = 0
-            victim.metrics.num_preemptions += 1
-            self.waiting.appendleft(victim)
+        for victim in output.preempted:
+            self.requeue_preempted(victim)
 
         finished = []
         results = zip(sampled, reasons, strict=True)
@@ -239,7 +236,15 @@ class Scheduler:
         return True
 
     # ------------------------------------------------------------------ continuous batching
-    def _schedule_continuous(self) -> SchedulerOutput:
+    def schedule_continuous(self) -> SchedulerOutput:
+        """Plan one continuous-batching step within the token budget (exercise 3).
+
+        Running requests first, in admission order, each with its next decode token or prompt chunk;
+        when one needs a block and none is free, the most recently admitted running request is
+        preempted (:meth:`preempt`). Then waiting requests are admitted in arrival order while budget,
+        ``max_num_seqs`` and free blocks allow, unless this step preempted. A prompt that does not fit
+        the budget is chunked when ``chunked_prefill`` is on, and otherwise waits for a step with room.
+        """
         cfg, allocator, running = self.config, self.allocator, self.running
         output = SchedulerOutput(step=self.step_index + 1, chunks=[])
         budget = cfg.max_batch_tokens
@@ -258,7 +263,7 @@ class Scheduler:
             needed = allocator.blocks_needed(request.request_id, end)  # usually 0: decodes fill the last block
             while needed > allocator.num_free_blocks and end_of_running > i:
                 end_of_running -= 1
-                self._preempt(output, running[end_of_running])  # the most recently admitted
+                self.preempt(output, running[end_of_running])  # the most recently admitted
             if end_of_running == i:  # preempted itself: nothing younger was left
                 break
             end_of_runnable = min(end_of_runnable, end_of_running)
@@ -268,7 +273,7 @@ class Scheduler:
             i += 1
         while end_of_running > end_of_runnable:  # the failed step's victims that nothing has evicted yet
             end_of_running -= 1
-            self._preempt(output, running[end_of_running])
+            self.preempt(output, running[end_of_running])
 
         # Admit new work only when nothing had to be preempted: otherwise we would evict and admit at once.
         seats = cfg.max_num_seqs - len(running)
@@ -287,15 +292,26 @@ class Scheduler:
             budget -= num_tokens
         return output
 
-    def _preempt(self, output: SchedulerOutput, victim: Request) -> None:
-        """Plan to preempt ``victim``: its blocks are freed now, it is recomputed from scratch later."""
+    def preempt(self, output: SchedulerOutput, victim: Request) -> None:
+        """Plan to preempt ``victim`` (exercise 4): free all its blocks now and list it in ``output.preempted``."""
         self.allocator.free(victim.request_id)
         output.preempted.append(victim)
+
+    def requeue_preempted(self, victim: Request) -> None:
+        """Commit a preemption (exercise 4): ``victim`` waits again, at the front, to be recomputed from scratch.
+
+        Its keys and values went with its blocks, so ``num_computed_tokens`` restarts at 0; it keeps the
+        tokens it generated, so recomputing prompt + output gives the same next tokens as before.
+        """
+        victim.state = RequestState.WAITING
+        victim.num_computed_tokens = 0
+        victim.metrics.num_preemptions += 1
+        self.waiting.appendleft(victim)
 
     # ------------------------------------------------------------------ static batching
     def _schedule_static(self) -> SchedulerOutput:
         output = SchedulerOutput(step=self.step_index + 1, chunks=[])
-        batch = self.running or self._form_static_batch(output)
+        batch = self.running or self.form_static_batch(output)
         if not batch:
             return output
         if any(r.num_computed_tokens < r.num_prompt_tokens for r in batch):  # prefill the padded batch's next columns
@@ -315,8 +331,8 @@ class Scheduler:
                 output.add_chunk(request, request.num_computed_tokens, 1, False)
         return output
 
-    def _form_static_batch(self, output: SchedulerOutput) -> list[Request]:
-        """The previous batch is done: plan a new one from the head of the queue (``update`` admits it).
+    def form_static_batch(self, output: SchedulerOutput) -> list[Request]:
+        """The previous batch is done: plan a new one from the head of the queue (exercise 7; ``update`` admits it).
 
         Members join while seats and cache allow and the prompts, padded to the longest, still prefill in
         one step; a first prompt longer than the budget makes a batch of one. Each member reserves blocks

@@ -165,6 +165,7 @@ try {
   // Pause, then hover the first block: plotly.js shows the cell's details.
   await page.locator(".labkit-play button").first().click();
   await page.waitForTimeout(800);
+  await blockMap.scrollIntoViewIfNeeded();
   const box = await page.locator(".labkit-blockmap-figure .heatmaplayer image").first().boundingBox();
   const [rows, columns] = await page.evaluate(() => {
     const z = document.querySelector(".labkit-blockmap-figure .js-plotly-plot").data[0].z;

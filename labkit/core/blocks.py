@@ -5,7 +5,12 @@ blocks, its *block table*; token ``i`` of the request lives in slot
 ``block_table[i // block_size] * block_size + i % block_size``. Blocks need not be contiguous, so a
 request grows one block at a time and nothing is reserved for tokens it may never generate.
 Each block carries a reference count and returns to the free queue only when it drops to zero: the
-hook that lets requests share the full blocks of a common prompt prefix (prefix caching).
+hook that lets requests share the full blocks of a common prompt prefix.
+
+With prefix caching on (``labkit.core.prefix_cache``), a request starts with references to the cached
+blocks of its longest cached prefix and allocates new blocks only after them, so it never writes into a
+shared block. A freed block that holds a cached prefix is *reusable*: it counts as free, but is handed
+out again (evicted, least recently used first) only when no plain free block is left.
 """
 
 from __future__ import annotations
@@ -14,9 +19,17 @@ from collections import deque
 from collections.abc import Hashable
 from typing import NamedTuple
 
+from labkit.core.prefix_cache import PrefixCache, PrefixCacheStats, PrefixMatch
+from labkit.core.request import Request
+
 
 class BlockEvent(NamedTuple):
-    """One allocation or free, as drawn by the block map: ``kind`` is ``"alloc"`` or ``"free"``."""
+    """One change to a block, as drawn by the block map. ``kind`` is one of:
+
+    ``"alloc"`` (a free block taken), ``"free"`` (the last reference dropped), and, with prefix caching,
+    ``"hit"`` (a reference taken to a cached block), ``"release"`` (a reference dropped, others remain),
+    ``"cache"`` (a full block entered the index) and ``"evict"`` (a reusable block left it, to be reused).
+    """
 
     kind: str
     block_id: int
@@ -31,7 +44,7 @@ class NoFreeBlocksError(RuntimeError):
 class BlockAllocator:
     """A free-block queue with per-block reference counts and per-request block tables."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -45,42 +58,94 @@ class BlockAllocator:
         self.num_slots: dict[Hashable, int] = {}  # token slots each request has claimed
         self.events: list[BlockEvent] = []  # drained by the engine once per step
         self.step = 0
+        self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
+        self.num_indexed: dict[Hashable, int] = {}  # prefix caching: leading blocks of a table already indexed
+        self.prefix_stats = PrefixCacheStats()  # this step's lookups, drained with the events
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        """Blocks no request references: plain free ones and, with prefix caching, reusable cached ones."""
+        reusable = len(self.prefix_cache.reusable) if self.prefix_cache is not None else 0
+        return len(self.free_blocks) + reusable
 
     @property
     def usage(self) -> float:
         """Fraction of blocks in use: the KV-cache usage that serving dashboards show."""
-        return 1 - len(self.free_blocks) / self.num_blocks
+        return 1 - self.num_free_blocks / self.num_blocks
 
     def blocks_needed(self, request_id: Hashable, num_tokens: int) -> int:
         """How many new blocks ``request_id`` needs so that its table covers ``num_tokens`` tokens."""
         have = len(self.block_tables.get(request_id, ()))
         return max(0, -(-num_tokens // self.block_size) - have)
 
-    def can_allocate(self, request_id: Hashable, num_tokens: int) -> bool:
-        return self.blocks_needed(request_id, num_tokens) <= len(self.free_blocks)
+    def can_allocate(self, request_id: Hashable, num_tokens: int, prefix: PrefixMatch | None = None) -> bool:
+        """Whether :meth:`allocate` would succeed (``prefix``: the cached blocks it would start from)."""
+        cached = prefix.blocks if prefix is not None else ()
+        return self.blocks_needed(request_id, num_tokens) - len(cached) <= self._available(cached)
 
-    def allocate(self, request_id: Hashable, num_tokens: int) -> list[int]:
+    def _available(self, cached: list[int] | tuple[()]) -> int:
+        """Free blocks left for new tokens once ``cached`` is shared: reviving a reusable block uses one up."""
+        if not cached:
+            return self.num_free_blocks
+        return self.num_free_blocks - sum(1 for block in cached if self.ref_counts[block] == 0)
+
+    def allocate(self, request_id: Hashable, num_tokens: int, prefix: PrefixMatch | None = None) -> list[int]:
         """Grow ``request_id``'s block table to cover ``num_tokens`` tokens; return the new blocks.
 
-        All or nothing: if the free queue is too short, nothing is taken and NoFreeBlocksError is raised.
+        ``prefix`` (a new request only) first takes a reference to each cached block it found, so only the
+        tokens after them need new blocks. All or nothing: if too few blocks are free, nothing is taken and
+        NoFreeBlocksError is raised.
         """
-        needed = self.blocks_needed(request_id, num_tokens)
-        if needed > len(self.free_blocks):
-            raise NoFreeBlocksError(f"request {request_id!r} needs {needed} blocks, only {len(self.free_blocks)} free")
+        cached = prefix.blocks if prefix is not None else ()
+        needed = self.blocks_needed(request_id, num_tokens) - len(cached)
+        if needed > self._available(cached):
+            raise NoFreeBlocksError(f"request {request_id!r} needs {needed} blocks, only {self.num_free_blocks} free")
         table = self.block_tables.setdefault(request_id, [])
+        if prefix is not None:
+            if table:
+                raise ValueError(f"request {request_id!r} already owns blocks; a cached prefix comes first")
+            for block in prefix.blocks:
+                if self.ref_counts[block] == 0:
+                    del self.prefix_cache.reusable[block]
+                self.ref_counts[block] += 1
+                self.events.append(BlockEvent("hit", block, request_id, self.step))
+            table.extend(prefix.blocks)
+            self.num_indexed[request_id] = len(prefix.blocks)
+            self.prefix_stats.record(prefix, self.block_size)
         new_blocks = []
         for _ in range(needed):
-            block = self.free_blocks.popleft()
+            if self.free_blocks:
+                block = self.free_blocks.popleft()
+            else:  # only reusable cached blocks are left: evict the least recently used
+                block = self.prefix_cache.evict_lru()
+                self.events.append(BlockEvent("evict", block, request_id, self.step))
             self.ref_counts[block] = 1
             self.events.append(BlockEvent("alloc", block, request_id, self.step))
             new_blocks.append(block)
         table.extend(new_blocks)
         self.num_slots[request_id] = max(self.num_slots.get(request_id, 0), num_tokens)
         return new_blocks
+
+    def match_prefix(self, request: Request) -> PrefixMatch:
+        """The cached blocks ``request`` could start from (prefix caching on); nothing is taken yet."""
+        if self.prefix_cache is None:
+            raise RuntimeError("prefix caching is off for this allocator")
+        return self.prefix_cache.match(request)
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Index the blocks that ``request``'s computed tokens have filled, so later requests can share them.
+
+        Called after the model step that computed them: the index only ever points at written keys and values.
+        """
+        cache, request_id = self.prefix_cache, request.request_id
+        done, full = self.num_indexed.get(request_id, 0), request.num_computed_tokens // self.block_size
+        if cache is None or full <= done:
+            return
+        table = self.block_tables[request_id]
+        for index in range(done, full):
+            if cache.insert(request, index, table[index]):
+                self.events.append(BlockEvent("cache", table[index], request_id, self.step))
+        self.num_indexed[request_id] = full
 
     def append_slot(self, request_id: Hashable) -> int:
         """Claim the slot for one more token of ``request_id`` (a decode step) and return it."""
@@ -99,13 +164,22 @@ class BlockAllocator:
         if table is None:
             raise KeyError(f"request {request_id!r} owns no blocks (double free or unknown request)")
         del self.num_slots[request_id]
-        released = []
+        self.num_indexed.pop(request_id, None)
+        cache = self.prefix_cache
+        released, reusable = [], []
         for block in table:
             self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
+            if self.ref_counts[block] > 0:  # still in another request's table
+                self.events.append(BlockEvent("release", block, request_id, self.step))
+                continue
+            if cache is not None and block in cache.digest_of:
+                reusable.append(block)
+            else:
                 self.free_blocks.append(block)
-                released.append(block)
-                self.events.append(BlockEvent("free", block, request_id, self.step))
+            released.append(block)
+            self.events.append(BlockEvent("free", block, request_id, self.step))
+        for block in reversed(reusable):  # a prefix's tail is evicted before its head, which others may share
+            cache.reusable[block] = None
         return released
 
     def slot(self, request_id: Hashable, token_index: int) -> int:
@@ -121,3 +195,10 @@ class BlockAllocator:
     def drain_events(self) -> list[BlockEvent]:
         events, self.events = self.events, []
         return events
+
+    def drain_prefix_stats(self) -> PrefixCacheStats | None:
+        """This step's prefix-cache lookups (None with prefix caching off), and a fresh count for the next."""
+        if self.prefix_cache is None:
+            return None
+        stats, self.prefix_stats = self.prefix_stats, PrefixCacheStats()
+        return stats

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 POLICIES = ("continuous", "static")
+SCHEDULING = ("fcfs", "priority", "shortest-first")
 
 
 @dataclass
@@ -19,6 +20,12 @@ class EngineConfig:
     CUDA when present, else CPU; ``dtype=None`` keeps the model's dtype. ``pack_weights`` lets a CPU
     runner keep a second copy of the linear weights in oneDNN's layout, which makes the linear layers
     1.3-1.8x faster on steps of 4-64 rows (see labkit.runtime.packed); it has no effect on CUDA.
+
+    ``enable_prefix_caching`` lets requests share the cached blocks of a common prompt prefix
+    (labkit.core.prefix_cache; continuous policy only). ``scheduling`` orders the waiting queue
+    (labkit.core.queues): ``"fcfs"`` by arrival, ``"priority"`` by ``SamplingParams.priority`` (and a
+    waiting request may preempt a running one it outranks), ``"shortest-first"`` by expected tokens
+    with ageing.
     """
 
     block_size: int = 16
@@ -30,6 +37,8 @@ class EngineConfig:
     device: str = "auto"
     dtype: Any = None
     pack_weights: bool = True
+    enable_prefix_caching: bool = False
+    scheduling: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batch_tokens", "max_num_seqs"):
@@ -43,9 +52,15 @@ class EngineConfig:
             )
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        for name in ("chunked_prefill", "pack_weights"):
+        if self.scheduling not in SCHEDULING:
+            raise ValueError(f"scheduling must be one of {SCHEDULING}, got {self.scheduling!r}")
+        for name in ("chunked_prefill", "pack_weights", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.enable_prefix_caching and self.policy == "static":
+            raise ValueError(
+                "enable_prefix_caching needs policy='continuous': the static baseline prefills whole padded prompts"
+            )
 
 
 def _check_positive_int(name: str, value: object) -> None:

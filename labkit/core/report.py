@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from labkit.core.blocks import BlockEvent
+from labkit.core.prefix_cache import PrefixCacheStats
 
 TRACE_VERSION = 1
 
@@ -49,6 +50,7 @@ class StepReport:
     block_size: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    prefix_cache: PrefixCacheStats | None = None  # this step's prefix-cache lookups (None: caching off)
 
     @property
     def end_time(self) -> float:
@@ -84,22 +86,33 @@ class StepReport:
     def describe(self) -> list[str]:
         """The step's events in words, as the block map's event log shows them."""
         lines = []
-        allocs: dict[int, list[int]] = {}
-        frees: dict[int, list[int]] = {}
+        by_kind: dict[str, dict[int, list[int]]] = {}
         for event in self.block_events:
-            (allocs if event.kind == "alloc" else frees).setdefault(event.request_id, []).append(event.block_id)
+            by_kind.setdefault(event.kind, {}).setdefault(event.request_id, []).append(event.block_id)
+        frees, released = by_kind.get("free", {}), by_kind.get("release", {})
+
+        def shared(rid: int) -> str:  # references dropped to blocks that other requests still hold
+            blocks = released.pop(rid, [])
+            return f", released shared block{_s(blocks)} {_ids(blocks)}" if blocks else ""
+
         for rid in self.admitted:
             lines.append(f"step {self.step}: request {rid} admitted")
-        for rid, blocks in allocs.items():
-            lines.append(f"step {self.step}: request {rid} took block{_s(blocks)} {_ids(blocks)}")
+        for kind, verb in (("hit", "reused cached"), ("evict", "evicted cached"), ("alloc", "took")):
+            for rid, blocks in by_kind.get(kind, {}).items():
+                lines.append(f"step {self.step}: request {rid} {verb} block{_s(blocks)} {_ids(blocks)}")
+        for rid, blocks in by_kind.get("cache", {}).items():
+            lines.append(f"step {self.step}: request {rid} cached full block{_s(blocks)} {_ids(blocks)}")
         for rid in self.preempted:
-            lines.append(f"step {self.step}: request {rid} preempted, freed blocks {_ids(frees.pop(rid, []))}")
+            freed = frees.pop(rid, [])
+            lines.append(f"step {self.step}: request {rid} preempted, freed blocks {_ids(freed)}{shared(rid)}")
         for rid, reason in self.finished.items():
             freed = frees.pop(rid, [])
             tail = f" and freed block{_s(freed)} {_ids(freed)}" if freed else ""
-            lines.append(f"step {self.step}: request {rid} finished ({reason}){tail}")
+            lines.append(f"step {self.step}: request {rid} finished ({reason}){tail}{shared(rid)}")
         for rid, blocks in frees.items():
-            lines.append(f"step {self.step}: request {rid} freed block{_s(blocks)} {_ids(blocks)}")
+            lines.append(f"step {self.step}: request {rid} freed block{_s(blocks)} {_ids(blocks)}{shared(rid)}")
+        for rid, blocks in released.items():
+            lines.append(f"step {self.step}: request {rid} released shared block{_s(blocks)} {_ids(blocks)}")
         return lines
 
     def to_dict(self) -> dict[str, Any]:
@@ -117,6 +130,8 @@ class StepReport:
         data["padding"] = [ScheduledWork(*w) for w in data.get("padding", [])]
         data["block_events"] = [BlockEvent(*e) for e in data.get("block_events", [])]
         data["finished"] = {int(k): v for k, v in data.get("finished", {}).items()}
+        if data.get("prefix_cache") is not None:
+            data["prefix_cache"] = PrefixCacheStats(**data["prefix_cache"])
         return cls(**data)
 
 

@@ -26,7 +26,8 @@ class SamplingParams:
 
     ``temperature=0`` is greedy. ``top_k=0`` and ``top_p=1.0`` switch those filters off. A ``seed``
     makes sampling reproducible per request: the same request draws the same tokens whether it runs
-    alone, in a batch, or is preempted and recomputed.
+    alone, in a batch, or is preempted and recomputed. ``priority`` matters only under
+    ``EngineConfig(scheduling="priority")``: lower numbers run first.
     """
 
     max_new_tokens: int = 64
@@ -36,6 +37,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    priority: int = 0
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens)
@@ -62,6 +64,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", stop)
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+        _check_int("priority", self.priority)
 
     @property
     def greedy(self) -> bool:
@@ -86,7 +89,9 @@ class Request:
 
     ``num_computed_tokens`` counts the tokens whose keys and values are in the KV cache; the
     scheduler compares it with ``num_tokens`` to know whether the request still has prefill to do
-    or is decoding. After a preemption it drops to 0 and the request is recomputed.
+    or is decoding. After a preemption it drops to 0 and the request is recomputed. With prefix
+    caching, ``block_hashes`` are the digests of its full blocks (computed once, extended as it grows)
+    and ``num_cached_tokens`` the prompt tokens its first admission found in the cache.
     """
 
     request_id: int
@@ -98,6 +103,8 @@ class Request:
     num_computed_tokens: int = 0
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
+    num_cached_tokens: int | None = None
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
     stop_ids: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -152,6 +159,7 @@ class RequestOutput:
     text: str | None
     finish_reason: str | None
     metrics: RequestMetrics
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -165,6 +173,7 @@ class RequestOutput:
             "text": self.text,
             "finish_reason": self.finish_reason,
             "metrics": vars(self.metrics).copy(),
+            "num_cached_tokens": self.num_cached_tokens,
         }
 
 

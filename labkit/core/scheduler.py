@@ -7,25 +7,30 @@ separate "prefill phase": prompts and decodes go into the same packed batch (as 
 Two policies:
 
 * ``"continuous"`` - running requests go first, oldest first; then waiting requests are admitted in
-  arrival order while budget, ``max_num_seqs`` and free blocks allow. Long prompts are split into
-  chunks (chunked prefill). A finished request frees its blocks at once. When a running request
-  needs a block and none is free, the most recently admitted request is preempted and later
-  recomputed from scratch.
+  the waiting queue's order while budget, ``max_num_seqs`` and free blocks allow. Long prompts are
+  split into chunks (chunked prefill). A finished request frees its blocks at once. When a running
+  request needs a block and none is free, the last running request (the most recently admitted, or
+  under ``"priority"`` the lowest-ranked) is preempted and later recomputed from scratch. With prefix
+  caching, an admitted request starts from the cached blocks of its prompt's longest cached prefix
+  and computes only the rest; blocks its computed tokens fill are indexed after each step.
 * ``"static"`` - the classic padded batch: a new batch starts only when the previous one has fully
   finished; each member reserves blocks for prompt + ``max_new_tokens`` up front; finished members
   keep their row (computed and thrown away) until the longest member is done. Those rows, and the
   padding of shorter prompts, are counted as wasted slots.
+
+The order of the waiting queue is the scheduling policy (``labkit.core.queues``): first come first
+served, by priority (a waiting request may preempt a running one it outranks), or shortest first.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from labkit.core.blocks import BlockAllocator
 from labkit.core.config import EngineConfig
+from labkit.core.queues import QUEUES
 from labkit.core.request import Request, RequestState
 
 
@@ -73,10 +78,11 @@ class Scheduler:
     def __init__(self, config: EngineConfig, allocator: BlockAllocator) -> None:
         self.config = config
         self.allocator = allocator
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self.waiting = QUEUES[config.scheduling]()
+        self.running: list[Request] = []  # in the queue's order (admission, or rank): the last is preempted first
         self.requests: dict[int, Request] = {}  # every unfinished request, by id
         self.step_index = 0
+        self.prefix_caching = getattr(allocator, "prefix_cache", None) is not None
 
     # ------------------------------------------------------------------ requests in and out
     def check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
@@ -107,7 +113,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request, self.step_index)
 
     def abort(self, request_id: int, now: float) -> Request:
         """Finish a request with reason ``"abort"``; raise KeyError if no such request is unfinished."""
@@ -139,9 +145,11 @@ class Scheduler:
         finished = []
         tokens = iter(sampled)
         for chunk in output.chunks:
+            request = chunk.request
+            if self.prefix_caching:  # the step wrote these tokens' keys and values: index the full blocks
+                self.allocator.cache_full_blocks(request)
             if not chunk.samples:
                 continue
-            request = chunk.request
             metrics = request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
@@ -163,10 +171,15 @@ class Scheduler:
         cfg, allocator = self.config, self.allocator
         output = SchedulerOutput(step=self.step_index, chunks=[])
         budget = cfg.max_batch_tokens
+        if self.waiting.preempts:
+            self._make_room(output)
+        displaced = len(output.preempted)
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if self.waiting.preempts and self.waiting and self.waiting.outranks(self.waiting.peek(), request):
+                break  # priority: this one and the rest rank below a waiting request, which goes first
             remaining = request.num_tokens - request.num_computed_tokens
             num_tokens = min(remaining, budget)
             if num_tokens < remaining and not cfg.chunked_prefill:
@@ -175,7 +188,7 @@ class Scheduler:
             end = request.num_computed_tokens + num_tokens
             needed = allocator.blocks_needed(request.request_id, end)  # usually 0: decodes fill the last block
             while needed > allocator.num_free_blocks:
-                victim = self.running.pop()  # most recently admitted
+                victim = self.running.pop()  # most recently admitted, or lowest-ranked
                 self._preempt(victim)
                 output.preempted.append(victim)
                 if victim is request:
@@ -187,29 +200,52 @@ class Scheduler:
             budget -= num_tokens
             i += 1
 
-        # Admit new work only when nothing had to be preempted: otherwise we would evict and admit at once.
-        while self.waiting and budget > 0 and not output.preempted and len(self.running) < cfg.max_num_seqs:
-            request = self.waiting[0]
-            remaining = request.num_tokens
+        # Admit new work only when no running request had to be preempted for blocks: otherwise we would
+        # evict and admit at once. (Displacing lower-ranked requests to admit a better one is the point.)
+        may_admit = len(output.preempted) == displaced
+        while self.waiting and budget > 0 and may_admit and len(self.running) < cfg.max_num_seqs:
+            request = self.waiting.peek()
+            prefix = allocator.match_prefix(request) if self.prefix_caching else None
+            start = len(prefix.blocks) * allocator.block_size if prefix is not None else 0
+            remaining = request.num_tokens - start
             num_tokens = min(remaining, budget)
             if num_tokens < remaining and not cfg.chunked_prefill:
                 break
-            if not allocator.can_allocate(request.request_id, num_tokens):
+            if not allocator.can_allocate(request.request_id, start + num_tokens, prefix):
                 break
-            self.waiting.popleft()
-            allocator.allocate(request.request_id, num_tokens)
+            self.waiting.pop()
+            allocator.allocate(request.request_id, start + num_tokens, prefix)
+            request.num_computed_tokens = start  # the cached prefix is already computed
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = start
             self._admit(output, request)
             self._add_chunk(output, request, num_tokens)
             budget -= num_tokens
         return output
 
+    def _make_room(self, output: SchedulerOutput) -> None:
+        """Priority: while the best waiting request outranks the last running one and cannot start, preempt that one."""
+        cfg, allocator = self.config, self.allocator
+        while self.waiting and self.running:
+            head, last = self.waiting.peek(), self.running[-1]
+            if not self.waiting.outranks(head, last):
+                return
+            if len(self.running) < cfg.max_num_seqs:
+                prefix = allocator.match_prefix(head) if self.prefix_caching else None
+                start = len(prefix.blocks) * allocator.block_size if prefix is not None else 0
+                if allocator.can_allocate(head.request_id, min(head.num_tokens, start + cfg.max_batch_tokens), prefix):
+                    return  # it has a seat and blocks for its first chunk
+            self.running.pop()
+            self._preempt(last)
+            output.preempted.append(last)
+
     def _preempt(self, request: Request) -> None:
-        """Free the request's blocks and put it back at the front of the queue, to be recomputed."""
+        """Release the request's blocks and put it back in the waiting queue, to be recomputed."""
         self.allocator.free(request.request_id)
         request.num_computed_tokens = 0
         request.state = RequestState.WAITING
         request.metrics.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.requeue(request)
 
     # ------------------------------------------------------------------ static batching
     def _schedule_static(self) -> SchedulerOutput:
@@ -218,12 +254,12 @@ class Scheduler:
         if not self.running:  # the previous batch is completely done: form a new one
             longest = 0
             while self.waiting and len(self.running) < cfg.max_num_seqs:
-                request = self.waiting[0]
+                request = self.waiting.peek()
                 padded_rows = (len(self.running) + 1) * max(longest, request.num_prompt_tokens)
                 reserve = request.num_prompt_tokens + request.params.max_new_tokens - 1
                 if padded_rows > cfg.max_batch_tokens or not allocator.can_allocate(request.request_id, reserve):
                     break
-                self.waiting.popleft()
+                self.waiting.pop()
                 allocator.allocate(request.request_id, reserve)
                 longest = max(longest, request.num_prompt_tokens)
                 self._admit(output, request)
@@ -252,7 +288,7 @@ class Scheduler:
     def _admit(self, output: SchedulerOutput, request: Request) -> None:
         request.state = RequestState.PREFILLING
         if self.config.policy == "continuous":
-            self.running.append(request)
+            self.waiting.place(self.running, request)
         output.admitted.append(request)
 
     def _add_chunk(self, output: SchedulerOutput, request: Request, num_tokens: int) -> None:
@@ -267,5 +303,6 @@ class Scheduler:
         request.finish_reason = reason
         request.metrics.finish_time = now
         del self.requests[request.request_id]
+        self.waiting.forget(request)
         if self.config.policy == "continuous" and request.request_id in self.allocator.block_tables:
             self.allocator.free(request.request_id)

@@ -1,0 +1,141 @@
+"""Who goes first: the waiting queue's order, one small class per scheduling policy.
+
+The scheduler admits from the front of its waiting queue; the queue decides what "front" means
+(``EngineConfig(scheduling=...)``):
+
+* ``"fcfs"`` - first come, first served. A preempted request goes back to the very front: it was
+  admitted before anyone still waiting.
+* ``"priority"`` - lowest ``SamplingParams.priority`` first, then arrival. Running requests are kept in
+  the same order, so the last one is the lowest-ranked: the one preempted first, and the one a better
+  waiting request may displace (``preempts = True``) when the engine is full.
+* ``"shortest-first"`` - fewest expected tokens (prompt + ``max_new_tokens``) first, which cuts the
+  mean latency, but would let a steady stream of short requests starve a long one. Ageing prevents that:
+  the key is ``expected tokens + ageing x arrival step``, so each step a request has waited is worth
+  ``ageing`` tokens of head start over later arrivals. A request expecting ``E`` tokens, arriving at step
+  ``t``, ranks before every request arriving after step ``t + (E - 1) / ageing``: only finitely many can
+  pass it. The key never changes while a request waits, so the queue stays a plain heap.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterator
+
+from labkit.core.request import Request
+
+AGEING = 8  # shortest-first: tokens of head start per step of waiting
+
+
+class FcfsQueue:
+    """First come, first served: a deque, with preempted requests put back in front."""
+
+    preempts = False  # a waiting request never displaces a running one
+
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+    def add(self, request: Request, step: int) -> None:
+        self._queue.append(request)
+
+    def requeue(self, request: Request) -> None:
+        """Put a preempted request back."""
+        self._queue.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        return self._queue.popleft()
+
+    def remove(self, request: Request) -> None:
+        self._queue.remove(request)
+
+    def forget(self, request: Request) -> None:
+        """The request finished: drop whatever the queue remembers about it."""
+
+    def place(self, running: list[Request], request: Request) -> None:
+        """Add a newly admitted request to the running list: last, so it is the first to be preempted."""
+        running.append(request)
+
+    def outranks(self, waiting: Request, running: Request) -> bool:
+        return False
+
+
+class RankedQueue(FcfsQueue):
+    """A heap ordered by ``rank(request, step)``, ties broken by arrival; a request keeps its key while it lives."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[tuple[float, ...], Request]] = []
+        self._keys: dict[int, tuple[float, ...]] = {}
+        self._arrivals = itertools.count()
+
+    def rank(self, request: Request, step: int) -> tuple[float, ...]:
+        raise NotImplementedError
+
+    def key(self, request: Request) -> tuple[float, ...]:
+        return self._keys[request.request_id]
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (request for _, request in sorted(self._heap, key=lambda entry: entry[0]))
+
+    def add(self, request: Request, step: int) -> None:
+        key = (*self.rank(request, step), next(self._arrivals))  # unique: requests are never compared
+        self._keys[request.request_id] = key
+        heapq.heappush(self._heap, (key, request))
+
+    def requeue(self, request: Request) -> None:
+        heapq.heappush(self._heap, (self.key(request), request))
+
+    def peek(self) -> Request:
+        return self._heap[0][1]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[1]
+
+    def remove(self, request: Request) -> None:
+        self._heap.remove((self.key(request), request))
+        heapq.heapify(self._heap)
+
+    def forget(self, request: Request) -> None:
+        self._keys.pop(request.request_id, None)
+
+
+class PriorityQueue(RankedQueue):
+    """Lowest ``priority`` first; running requests are kept in rank order and may be displaced."""
+
+    preempts = True
+
+    def rank(self, request: Request, step: int) -> tuple[float, ...]:
+        return (request.params.priority,)
+
+    def place(self, running: list[Request], request: Request) -> None:
+        bisect.insort(running, request, key=self.key)
+
+    def outranks(self, waiting: Request, running: Request) -> bool:
+        return self.key(waiting) < self.key(running)
+
+
+class ShortestFirstQueue(RankedQueue):
+    """Fewest expected tokens first, with ``ageing`` tokens of head start per step waited (see the module)."""
+
+    def __init__(self, ageing: float = AGEING) -> None:
+        super().__init__()
+        self.ageing = ageing
+
+    def rank(self, request: Request, step: int) -> tuple[float, ...]:
+        return (request.num_prompt_tokens + request.params.max_new_tokens + self.ageing * step,)
+
+
+QUEUES = {"fcfs": FcfsQueue, "priority": PriorityQueue, "shortest-first": ShortestFirstQueue}

@@ -172,18 +172,17 @@ class Scheduler:
         output = SchedulerOutput(step=self.step_index, chunks=[])
         budget = cfg.max_batch_tokens
         if self.waiting.preempts:
-            self._make_room(output)
+            budget = self._admit_outranking(output, budget)
         displaced = len(output.preempted)
+        fresh = {r.request_id for r in output.admitted}  # already scheduled this step
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if self.waiting.preempts and self.waiting and self.waiting.outranks(self.waiting.peek(), request):
-                break  # priority: this one and the rest rank below a waiting request, which goes first
             remaining = request.num_tokens - request.num_computed_tokens
             num_tokens = min(remaining, budget)
-            if num_tokens < remaining and not cfg.chunked_prefill:
-                i += 1  # does not fit whole: wait for a step with more room
+            if request.request_id in fresh or (num_tokens < remaining and not cfg.chunked_prefill):
+                i += 1  # admitted above, or does not fit whole: wait for a step with more room
                 continue
             end = request.num_computed_tokens + num_tokens
             needed = allocator.blocks_needed(request.request_id, end)  # usually 0: decodes fill the last block
@@ -201,43 +200,58 @@ class Scheduler:
             i += 1
 
         # Admit new work only when no running request had to be preempted for blocks: otherwise we would
-        # evict and admit at once. (Displacing lower-ranked requests to admit a better one is the point.)
-        may_admit = len(output.preempted) == displaced
-        while self.waiting and budget > 0 and may_admit and len(self.running) < cfg.max_num_seqs:
-            request = self.waiting.peek()
-            prefix = allocator.match_prefix(request) if self.prefix_caching else None
-            start = len(prefix.blocks) * allocator.block_size if prefix is not None else 0
-            remaining = request.num_tokens - start
-            num_tokens = min(remaining, budget)
-            if num_tokens < remaining and not cfg.chunked_prefill:
-                break
-            if not allocator.can_allocate(request.request_id, start + num_tokens, prefix):
-                break
-            self.waiting.pop()
-            allocator.allocate(request.request_id, start + num_tokens, prefix)
-            request.num_computed_tokens = start  # the cached prefix is already computed
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = start
-            self._admit(output, request)
-            self._add_chunk(output, request, num_tokens)
-            budget -= num_tokens
+        # evict and admit at once. (Displacing lower-ranked requests for a better one, above, is the point.)
+        if len(output.preempted) == displaced:
+            while self.waiting and budget > 0 and (used := self._admit_next(output, budget)):
+                budget -= used
         return output
 
-    def _make_room(self, output: SchedulerOutput) -> None:
-        """Priority: while the best waiting request outranks the last running one and cannot start, preempt that one."""
+    def _admit_next(self, output: SchedulerOutput, budget: int) -> int:
+        """Admit the head of the waiting queue with its first chunk if a seat, the budget and the blocks allow.
+
+        Returns the chunk's tokens, or 0 if it cannot start now. With prefix caching it starts from the
+        cached blocks of its longest cached prefix, and its first chunk is the rest of its tokens.
+        """
         cfg, allocator = self.config, self.allocator
-        while self.waiting and self.running:
+        if len(self.running) >= cfg.max_num_seqs:
+            return 0
+        request = self.waiting.peek()
+        prefix = allocator.match_prefix(request) if self.prefix_caching else None
+        start = len(prefix.blocks) * allocator.block_size if prefix is not None else 0
+        remaining = request.num_tokens - start
+        num_tokens = min(remaining, budget)
+        if num_tokens < remaining and not cfg.chunked_prefill:
+            return 0
+        if not allocator.can_allocate(request.request_id, start + num_tokens, prefix):
+            return 0
+        self.waiting.pop()
+        allocator.allocate(request.request_id, start + num_tokens, prefix)
+        request.num_computed_tokens = start  # the cached prefix is already computed
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = start
+        self._admit(output, request)
+        self._add_chunk(output, request, num_tokens)
+        return num_tokens
+
+    def _admit_outranking(self, output: SchedulerOutput, budget: int) -> int:
+        """Priority: waiting requests that outrank the last running one start first, displacing it if they must.
+
+        Returns the budget left. The displaced request is the lowest-ranked running one; it is recomputed later.
+        """
+        while budget > 0 and self.waiting and self.running:
             head, last = self.waiting.peek(), self.running[-1]
             if not self.waiting.outranks(head, last):
-                return
-            if len(self.running) < cfg.max_num_seqs:
-                prefix = allocator.match_prefix(head) if self.prefix_caching else None
-                start = len(prefix.blocks) * allocator.block_size if prefix is not None else 0
-                if allocator.can_allocate(head.request_id, min(head.num_tokens, start + cfg.max_batch_tokens), prefix):
-                    return  # it has a seat and blocks for its first chunk
-            self.running.pop()
-            self._preempt(last)
-            output.preempted.append(last)
+                break
+            used = self._admit_next(output, budget)
+            if used:
+                budget -= used
+            elif not self.config.chunked_prefill and head.num_tokens > budget:
+                break  # it needs a step with more budget, not more room
+            else:
+                self.running.pop()
+                self._preempt(last)
+                output.preempted.append(last)
+        return budget
 
     def _preempt(self, request: Request) -> None:
         """Release the request's blocks and put it back in the waiting queue, to be recomputed."""

@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from labkit.core.config import EngineConfig
+from labkit.core.config import SCHEDULING, EngineConfig
 from labkit.core.engine import Engine
 from labkit.core.request import RequestOutput, SamplingParams
 from labkit.core.sim import COST_PRESETS, SimulatedModel
@@ -108,7 +108,7 @@ ModeFn = Callable[[Sequence[WorkloadRequest], BenchSetup], Run]
 # ---------------------------------------------------------------------------------------------- modes
 def run_labkit(workload: Sequence[WorkloadRequest], setup: BenchSetup, policy: str) -> Run:
     """Serve the workload on a fresh labkit Engine with the given batching policy."""
-    batch = {"max_num_seqs": setup.batch_size} if policy == "static" else {}
+    batch = {"max_num_seqs": setup.batch_size, "enable_prefix_caching": False} if policy == "static" else {}
     engine = Engine(setup.model, replace(setup.config, policy=policy, **batch))
     if not setup.simulated:  # first steps on a real model pay one-off costs (allocation, kernel choice)
         engine.generate(WARMUP_PROMPTS, SamplingParams(max_new_tokens=WARMUP_TOKENS, ignore_eos=True))
@@ -545,6 +545,8 @@ TABLE_ROWS: list[tuple[str, Callable[[RunMetrics], str]]] = [
     # The baselines report no steps, and no preemptions either: "-" rather than a 0 nobody counted.
     ("preemptions", lambda m: "-" if m.num_steps is None else str(m.total_preemptions)),
     ("wasted slots", lambda m: "-" if m.wasted_slots is None else str(m.wasted_slots)),
+    ("prefill tokens", lambda m: "-" if m.num_prefill_tokens is None else str(m.num_prefill_tokens)),
+    ("prefix-cache hits", lambda m: "-" if m.prefix_cache is None else f"{m.prefix_cache.hit_rate:.1%}"),
     ("steps", lambda m: "-" if m.num_steps is None else str(m.num_steps)),
     (
         "peak GPU memory",
@@ -755,6 +757,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-chunked-prefill", action="store_true", help="prefill each prompt in one step")
     parser.add_argument(
+        "--enable-prefix-caching", action="store_true", help="labkit-continuous: share cached blocks of common prefixes"
+    )
+    parser.add_argument(
+        "--scheduling", default=defaults.scheduling, choices=SCHEDULING, help="waiting-queue order (labkit modes)"
+    )
+    parser.add_argument(
         "--no-pack-weights",
         action="store_true",
         help="labkit modes on a CPU: multiply by the model's own weights, not oneDNN-packed copies (runtime.packed)",
@@ -785,6 +793,8 @@ def main(argv: list[str] | None = None) -> int:
             max_num_seqs=args.max_num_seqs,
             chunked_prefill=not args.no_chunked_prefill,
             pack_weights=not args.no_pack_weights,
+            enable_prefix_caching=args.enable_prefix_caching,
+            scheduling=args.scheduling,
             device=args.device,
             dtype=args.dtype,
         )

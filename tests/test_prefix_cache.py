@@ -355,3 +355,24 @@ def test_the_workload_helpers_used_here_are_seeded():
     b = make_workload("shared-prefix", 4, vocab_size=100, prefix_len=8)
     assert [w.prompt for w in a] == [w.prompt for w in b]
     assert np.all([w.prompt[:8] == a[0].prompt[:8] for w in a])
+
+
+def test_the_block_map_shows_shared_blocks_with_their_owners_and_reusable_blocks():
+    from labkit.viz import BlockMap
+
+    engine = caching_engine()
+    engine.generate([[*PREFIX, 1]], SamplingParams(max_new_tokens=1))
+    a = engine.add_request([*PREFIX, 2], SamplingParams(max_new_tokens=2))
+    b = engine.add_request([*PREFIX, 3], SamplingParams(max_new_tokens=2))
+    engine.step()
+    blocks = BlockMap(engine.reports)
+    shared = engine.allocator.block_tables[a][:3]
+    hover = blocks.figure(len(engine.reports)).data[0].hovertext
+    flat = [h for row in hover for h in row]
+    for block in shared:
+        assert flat[block].startswith(f"block {block}<br>shared by requests {a}, {b}<br>4/4 slots filled<br>refs 2")
+    assert [c.refs for c in blocks.cells(len(engine.reports))][shared[0]] == 2
+    # After step 1 the first request has finished: its three full blocks are free but cached, reusable.
+    reusable = [h for row in blocks.figure(1).data[0].hovertext for h in row if "reusable" in h]
+    assert len(reusable) == 3
+    assert "3 shared" in blocks.figure(len(engine.reports)).layout.title.text

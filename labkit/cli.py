@@ -15,7 +15,7 @@ from rich.table import Table
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel
 from labkit.core.report import StepReport
 from labkit.core.request import RequestOutput
-from labkit.serving.bench import main as bench_main
+from labkit.serving.bench.cli import main as bench_main
 
 USAGE = """usage: labkit {demo,bench} [options]
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import labkit.serving.bench
+import labkit.serving.bench.cli
+import labkit.serving.bench.modes
 from labkit import Engine, EngineConfig, SamplingParams
 from labkit.serving.baselines import TransformersContinuous, padded_generate, timed_padded_generate, vllm_serve
 from labkit.serving.bench import BenchSetup, load_model, main, results_json, run_bench
@@ -88,6 +89,66 @@ def test_transformers_continuous_reports_token_timestamps(model, greedy):
     assert model.config._attn_implementation == "sdpa"
 
 
+@pytest.fixture
+def soft_resets(monkeypatch):
+    """The ids of the requests transformers soft-resets (drops their cache, re-queues them with their tokens)."""
+    from transformers.generation.continuous_batching.requests import RequestState
+
+    reset = RequestState.create_equivalent_initial_request
+    ids = []
+
+    def spy(state):
+        ids.append(state.request_id)
+        return reset(state)
+
+    monkeypatch.setattr(RequestState, "create_equivalent_initial_request", spy)
+    return ids
+
+
+def test_transformers_continuous_timestamps_survive_soft_resets(model, soft_resets):
+    """A cache too small for every request at once: transformers soft-resets some, which restarts their
+    timestamp lists; the bench must still time every token (once: "returned 40 tokens but 13 timestamps")."""
+    prompts, wanted = [[5 + i] * 6 for i in range(4)], [40] * 4
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in wanted]
+    expected = [o.output_token_ids for o in Engine(model, EngineConfig(num_blocks=64)).generate(prompts, params)]
+    with TransformersContinuous(model, block_size=8, num_blocks=12, max_batch_tokens=64, max_num_seqs=4) as manager:
+        outputs = manager.serve(prompts, wanted)
+    assert soft_resets  # the cache really was too small
+    assert [o.output_token_ids for o in outputs] == expected
+    check_timestamps(outputs, wanted)
+    for output in outputs:  # scheduled once, before its first token, even when reset later
+        assert output.metrics.first_scheduled_time <= output.metrics.first_token_time
+
+
+def test_transformers_continuous_stops_at_eos_when_asked(model, greedy):
+    stop = greedy[1][2]
+    with TransformersContinuous(model, block_size=8, num_blocks=32) as manager:
+        outputs = manager.serve(PROMPTS, WANTED, eos_token_ids={stop})
+    for output, tokens in zip(outputs, greedy, strict=True):
+        cut = tokens[: tokens.index(stop) + 1] if stop in tokens else tokens
+        assert output.output_token_ids == cut
+        assert output.finish_reason == ("stop" if stop in tokens else "length")
+        assert len(output.metrics.token_times) == len(cut)
+        assert output.metrics.finish_time == output.metrics.token_times[-1]
+
+
+def test_streamed_chunks_are_stamped_across_a_soft_reset():
+    """Stand-in streamed results: after a reset the stamps cover only the tail, and a chunk may hold several tokens."""
+    from labkit.serving.baselines import _stamp_new_tokens
+
+    def result(tokens, stamps):
+        return types.SimpleNamespace(generated_tokens=tokens, timestamps=stamps)
+
+    times = []
+    _stamp_new_tokens(times, result([7], [1.0]), now=1.5)
+    _stamp_new_tokens(times, result([7, 8], [1.0, 2.0]), now=2.5)
+    _stamp_new_tokens(times, result([7, 8, 9], [3.0]), now=3.5)  # reset after two tokens: a fresh stamp list
+    _stamp_new_tokens(times, result([7, 8, 9, 10, 11], [3.0, 4.0, 5.0]), now=5.5)  # two new tokens at once
+    assert times == [1.0, 2.0, 3.0, 4.0, 5.0]
+    _stamp_new_tokens(times, result([7, 8, 9, 10, 11, 12, 13], []), now=6.5)  # no stamps: the delivery time
+    assert times == [1.0, 2.0, 3.0, 4.0, 5.0, 6.5, 6.5]
+
+
 def test_bad_baseline_inputs(model):
     with pytest.raises(ValueError, match="max_new_tokens"):
         timed_padded_generate(model, PROMPTS, WANTED[:2])
@@ -142,13 +203,13 @@ def test_load_model_goes_through_labkit_models(monkeypatch):
 
 def test_text_workloads_use_the_models_tokenizer(monkeypatch, tmp_path, capsys):
     seen = {}
-    real_make_workload = labkit.serving.bench.make_workload
+    real_make_workload = labkit.serving.bench.cli.make_workload
 
     def spy(*args, **kwargs):
         seen.update(kwargs)
         return real_make_workload(*args, **kwargs)
 
-    monkeypatch.setattr(labkit.serving.bench, "make_workload", spy)
+    monkeypatch.setattr(labkit.serving.bench.cli, "make_workload", spy)
     argv = ["--model", "tiny-shakespeare", "--workload", "uniform", "--num-requests", "3", "--threads", "1"]
     argv += ["--prompt-len", "4,8", "--output-len", "2,3", "--modes", "labkit-continuous", "--no-progress"]
     assert main(argv) == 0
@@ -228,9 +289,9 @@ def fake_cpu_vllm(monkeypatch):
     platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: True)
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
-    labkit.serving.bench._vllm_llm.cache_clear()
+    labkit.serving.bench.modes._vllm_llm.cache_clear()
     yield built
-    labkit.serving.bench._vllm_llm.cache_clear()
+    labkit.serving.bench.modes._vllm_llm.cache_clear()
 
 
 def test_vllm_on_a_cpu_needs_blocks_of_32(fake_cpu_vllm, capsys):
@@ -246,15 +307,50 @@ def test_vllm_gets_the_same_dtype_and_cache_as_labkit(fake_cpu_vllm):
     model, tokenizer = load("tiny-shakespeare")
     config = EngineConfig(block_size=32, max_batch_tokens=256, max_num_seqs=8, device="cpu")
     setup = BenchSetup(model, tokenizer, config, model_name="tiny-shakespeare")
-    workload = make_workload("uniform", 2, prompt_len=(4, 8), output_len=(2, 3), vocab_size=256, special_ids=(0, 1, 2))
-    with pytest.raises(RuntimeError, match="stand-in vLLM"):
-        run_bench(setup, workload, ["vllm"])
+    workload = make_workload(
+        "uniform", 4, prompt_len=(20, 40), output_len=(5, 9), vocab_size=256, special_ids=(0, 1, 2)
+    )
+    (result,) = run_bench(setup, workload, ["vllm"])
+    assert result.failed and "RuntimeError: stand-in vLLM stops here" in result.error  # recorded, not raised
     (kwargs,) = fake_cpu_vllm
     labkit_cache = Engine(model, config).runner.cache.data
     per_block = labkit_cache[:, :, :, 0].nbytes  # one block of every layer's K and V
     assert kwargs["kv_cache_memory_bytes"] == (labkit_cache.shape[3] - 1) * per_block  # minus labkit's scratch block
     assert (kwargs["model"], kwargs["dtype"]) == (str(BUNDLED_DIR), "float32")
     assert (kwargs["block_size"], kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"]) == (32, 8, 256)
+    # The context the workload needs, in whole blocks, not the model's full one.
+    longest = max(len(r.prompt) + r.max_new_tokens for r in workload)
+    assert kwargs["max_model_len"] % 32 == 0 and longest <= kwargs["max_model_len"] < longest + 32
+    assert kwargs["max_model_len"] < model.config.max_position_embeddings
+
+
+def test_vllm_is_refused_up_front_when_the_kv_budget_cannot_hold_its_context(fake_cpu_vllm, capsys):
+    argv = ["--model", "tiny-shakespeare", "--modes", "vllm", "--block-size", "32", "--num-blocks", "2"]
+    argv += ["--workload", "uniform", "--num-requests", "3", "--prompt-len", "40,50", "--output-len", "30,30"]
+    assert main([*argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "mode 'vllm' cannot serve this workload: vLLM needs room for one request of max_model_len" in err
+    assert "labkit's KV-cache budget holds 64" in err and "Traceback" not in err
+    assert fake_cpu_vllm == []  # refused before vLLM was started
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--modes", "hf-generate", "--prompt-len", "2045,2047"], "exceeds the model's maximum length (2048)"),
+        (["--modes", "hf-continuous", "--num-blocks", "2"], "cache slots, but the cache holds 32 (2 blocks x 16)"),
+        (["--modes", "labkit-continuous", "hf-continuous", "--num-blocks", "2"], "the whole KV cache holds 32"),
+    ],
+)
+def test_baselines_refuse_what_they_could_not_finish_before_running(options, message, monkeypatch, capsys):
+    ran = []
+    for mode in ("labkit-continuous", "hf-generate", "hf-continuous"):
+        monkeypatch.setitem(labkit.serving.bench.modes.MODES, mode, lambda workload, setup, mode=mode: ran.append(mode))
+    argv = ["--model", "random:tiny", "--workload", "uniform", "--num-requests", "3", "--output-len", "8,16"]
+    assert main([*argv, "--threads", "1", "--no-progress", *options]) == 2
+    err = capsys.readouterr().err
+    assert "cannot serve this workload: request" in err and message in err and "Traceback" not in err
+    assert ran == []
 
 
 @pytest.mark.parametrize(

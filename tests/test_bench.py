@@ -13,6 +13,7 @@ from rich.console import Console
 from labkit import CostModel, Engine, EngineConfig, SimulatedModel
 from labkit.serving.bench import (
     MODES,
+    BenchResult,
     BenchSetup,
     build_parser,
     labkit_continuous,
@@ -21,9 +22,10 @@ from labkit.serving.bench import (
     results_json,
     results_table,
     run_bench,
+    sweep_table,
     tokenize_workload,
 )
-from labkit.serving.bench_html import load_and_write, report_html
+from labkit.serving.bench.html import load_and_write, report_html
 from labkit.serving.metrics import Run, run_metrics
 from labkit.serving.online import run_workload
 from labkit.serving.workloads import WorkloadRequest, make_workload
@@ -280,3 +282,116 @@ def test_html_needs_plotly(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "plotly", None)
     assert main(["--html", "report.html"]) == 2
     assert "pip install plotly" in capsys.readouterr().err
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """The labkit modes, spied on: which of them started a run."""
+    calls = []
+    for name in ("labkit-continuous", "labkit-static"):
+        real = MODES[name]
+
+        def spy(workload, setup, name=name, real=real):
+            calls.append(name)
+            return real(workload, setup)
+
+        monkeypatch.setitem(MODES, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        # Both policies refuse a request the whole cache cannot hold: the first mode listed says so.
+        (["--num-blocks", "4"], "mode 'labkit-continuous' cannot serve this workload: request"),
+        (["--num-blocks", "4"], "the whole KV cache holds 64 (4 blocks x 16)"),
+        # Only the second mode refuses: the first must not have run either.
+        (
+            ["--modes", "labkit-static", "labkit-continuous", "--no-chunked-prefill", "--max-batch-tokens", "128"],
+            "mode 'labkit-continuous' cannot serve this workload: request 0: prompt",
+        ),
+        (["--rate", "1,2", "--num-blocks", "4"], "the whole KV cache holds 64 (4 blocks x 16) (arrivals 1/s)"),
+    ],
+)
+def test_main_refuses_an_unservable_workload_before_running(options, message, ran, capsys):
+    argv = ["--workload", "uniform", "--num-requests", "6", "--prompt-len", "60,100", "--output-len", "40,60"]
+    assert main([*argv, "--no-progress", *options]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("labkit bench: error: ") and message in err and "Traceback" not in err
+    assert ran == []
+
+
+def test_run_bench_refuses_an_unservable_workload_before_running(ran):
+    workload = make_workload("uniform", 4, prompt_len=(60, 100), output_len=(40, 60), **VOCAB)
+    setup = BenchSetup(MODEL, None, EngineConfig(num_blocks=4))
+    with pytest.raises(ValueError, match="mode 'labkit-continuous' cannot serve this workload: request 0"):
+        run_bench(setup, workload, ["labkit-continuous", "labkit-static"])
+    assert ran == []
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("json is a folder", "--json {dir}: is a directory"),
+        ("html in a missing folder", "--html {dir}/missing/bench.html: the folder {dir}/missing does not exist"),
+        ("json folder not writable", "--json {dir}/bench.json: the folder {dir} is not writable"),
+        ("html file not writable", "--html {dir}/old.html: the file is not writable"),
+        ("json and html the same", "--json and --html name the same file"),
+    ],
+)
+def test_main_refuses_an_unwritable_output_before_running(case, message, tmp_path, monkeypatch, ran, capsys):
+    (tmp_path / "old.html").write_text("")
+    argv = {
+        "json is a folder": ["--json", str(tmp_path)],
+        "html in a missing folder": ["--html", str(tmp_path / "missing" / "bench.html")],
+        "json folder not writable": ["--json", str(tmp_path / "bench.json")],
+        "html file not writable": ["--html", str(tmp_path / "old.html")],
+        "json and html the same": ["--json", str(tmp_path / "out"), "--html", str(tmp_path / "out")],
+    }[case]
+    if "not writable" in case:  # as the superuser, permissions alone would not stop a write
+        monkeypatch.setattr("os.access", lambda path, mode: False)
+    assert main([*argv, "--num-requests", "4", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert message.format(dir=tmp_path) in err and "Traceback" not in err
+    assert ran == []
+
+
+def test_a_failed_mode_is_reported_and_the_others_kept(monkeypatch, tmp_path, capsys):
+    """A stand-in baseline that breaks part-way, between two labkit modes, over two repeats."""
+    calls = []
+
+    def broken(workload, setup):
+        calls.append(len(workload))
+        setup.finished(1)  # some work done, then it breaks
+        raise RuntimeError("stand-in baseline broke")
+
+    monkeypatch.setitem(MODES, "broken", broken)
+    data_path, report = tmp_path / "bench.json", tmp_path / "bench.html"
+    argv = ["--modes", "labkit-continuous", "broken", "labkit-static", "--num-requests", "6", "--repeats", "2"]
+    assert main([*argv, "--json", str(data_path), "--html", str(report), "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    assert "mode 'broken' failed: RuntimeError: stand-in baseline broke" in captured.err
+    assert "1 of 3 runs failed" in captured.err and "Traceback" not in captured.err
+    assert calls == [6]  # not run again in the second repeat
+    table = captured.out
+    assert "failed: RuntimeError: stand-in" in table and "1.00x" in table  # labkit's ratio row is still there
+    data = json.loads(data_path.read_text())
+    runs = {run["mode"]: run for run in data["runs"]}
+    assert runs["broken"]["error"] == "RuntimeError: stand-in baseline broke (repeat 1)"
+    assert runs["broken"]["metrics"] is None and runs["broken"]["requests"] == []
+    for mode in ("labkit-continuous", "labkit-static"):
+        assert runs[mode]["error"] is None and len(runs[mode]["repeats"]) == 2
+        assert runs[mode]["metrics"]["num_requests"] == len(runs[mode]["requests"]) == 6
+    page = report.read_text()
+    assert "failed: RuntimeError: stand-in baseline broke" in page and "Batch composition" in page
+
+
+def test_sweep_table_shows_a_failed_mode():
+    workload = make_workload("uniform", 4, output_len=(2, 4), **VOCAB)
+    (ok,) = run_bench(BenchSetup(MODEL, None, EngineConfig()), workload, ["labkit-static"], rate=2.0)
+    failed = BenchResult("broken", None, None, rate=2.0, error="RuntimeError: no")
+    console = Console(width=200, record=True)
+    console.print(sweep_table([ok, failed]))
+    rows = {line.split("│")[2].strip(): line for line in console.export_text().splitlines() if "│" in line}
+    assert "failed: RuntimeError: no" in rows["broken"] and "ok" in rows["labkit-static"]
+    assert "1.00x" in rows["labkit-static"]

@@ -225,8 +225,10 @@ class TransformersContinuous:
     ) -> list[RequestOutput]:
         """Submit each request when it is due (all at once by default); return timed outputs in input order.
 
-        The manager stamps every token as it is produced (``record_timestamps``) and the moment a request
-        leaves its queue, which become the output's ``token_times`` and ``first_scheduled_time``.
+        Requests are streamed: the manager hands over each request's tokens so far after every step, with
+        a timestamp per token (``record_timestamps``), and the moment the request left its queue. Those
+        become the output's ``token_times`` and ``first_scheduled_time``; see :func:`_stamp_new_tokens`
+        for why a finished result alone would not do.
         """
         _check_workload(prompts, max_new_tokens)
         if self._manager is None:
@@ -236,15 +238,25 @@ class TransformersContinuous:
         eos = sorted(eos_token_ids) or -1
         start = time.perf_counter()
         index_of: dict[str, int] = {}
+        times: dict[int, list[float]] = {}
+        scheduled: dict[int, float] = {}
         outputs: dict[int, RequestOutput] = {}
 
         def take(result: Any) -> None:
             if result.error is not None:
                 raise RuntimeError(f"transformers' continuous batching failed on {result.request_id}: {result.error}")
+            index = index_of[result.request_id]
+            if result.lifespan[0] >= 0:  # the first time it was scheduled, before any soft reset
+                scheduled.setdefault(index, result.lifespan[0])
+            _stamp_new_tokens(times[index], result, time.perf_counter())
             if not result.is_finished():
                 return
-            index = index_of[result.request_id]
-            outputs[index] = _cb_output(index, result, start + arrivals[index], eos_token_ids)
+            tokens, token_times = list(result.generated_tokens), times[index]
+            metrics = RequestMetrics(
+                start + arrivals[index], scheduled.get(index), token_times[0], token_times[-1], token_times
+            )
+            reason = "stop" if tokens[-1] in eos_token_ids else "length"
+            outputs[index] = RequestOutput(index, list(prompts[index]), tokens, None, reason, metrics)
             if on_finish is not None:
                 on_finish(1)
 
@@ -257,9 +269,14 @@ class TransformersContinuous:
                 elif not manager.is_running():
                     raise RuntimeError("transformers' continuous batching stopped before finishing all requests")
             request_id = manager.add_request(
-                list(prompts[index]), max_new_tokens=max_new_tokens[index], eos_token_id=eos, record_timestamps=True
+                list(prompts[index]),
+                max_new_tokens=max_new_tokens[index],
+                eos_token_id=eos,
+                streaming=True,
+                record_timestamps=True,
             )
             index_of[request_id] = index
+            times[index] = []
         while len(outputs) < len(prompts):
             result = manager.get_result(timeout=RESULT_TIMEOUT)
             if result is None:
@@ -268,14 +285,21 @@ class TransformersContinuous:
         return [outputs[i] for i in range(len(prompts))]
 
 
-def _cb_output(index: int, result: Any, arrival: float, eos_token_ids: Collection[int]) -> RequestOutput:
-    tokens, times = list(result.generated_tokens), list(result.timestamps or [])
-    if len(times) != len(tokens):
-        raise RuntimeError(f"transformers returned {len(tokens)} tokens but {len(times)} timestamps")
-    scheduled = result.lifespan[0] if result.lifespan[0] >= 0 else None
-    metrics = RequestMetrics(arrival, scheduled, times[0], times[-1], times)
-    reason = "stop" if tokens[-1] in eos_token_ids else "length"
-    return RequestOutput(index, list(result.prompt_ids), tokens, None, reason, metrics)
+def _stamp_new_tokens(times: list[float], result: Any, now: float) -> None:
+    """Extend ``times`` to one timestamp per token of a streamed result (its tokens so far).
+
+    transformers stamps each token it generates, but when its cache is full it *soft-resets* a request:
+    drops its KV cache and queues it again with the tokens so far as its prompt, under the same id and
+    with a fresh, empty list of timestamps. The result's ``generated_tokens`` still holds every token,
+    while its ``timestamps`` cover only those since the last reset, the tail. (A finished result of a
+    reset request has more tokens than timestamps: that is why every result is streamed.) Tokens from
+    before a reset were stamped when they streamed by; a token that comes with no stamp of its own gets
+    the time it arrived, ``now``.
+    """
+    tokens, stamps = result.generated_tokens, result.timestamps or []
+    first_stamped = max(0, len(tokens) - len(stamps))
+    for position in range(len(times), len(tokens)):
+        times.append(stamps[position - first_stamped] if position >= first_stamped else now)
 
 
 def transformers_continuous(

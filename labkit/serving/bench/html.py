@@ -4,8 +4,8 @@ The table says continuous batching finished sooner; the plots show how. Throughp
 static batches draining to a trickle while one long request finishes; latency CDFs show the whole
 distribution behind each percentile; KV-cache usage and the batch's make-up per step (prefill, decode
 and wasted rows) show what the engine was doing. The report is drawn from the bench's JSON (see
-:func:`labkit.serving.bench.results_json`), so a saved run can be drawn again later, and plotly.js is embedded
-in the page, so it opens offline.
+:func:`labkit.serving.bench.report.results_json`), so a saved run can be drawn again later, and plotly.js is
+embedded in the page, so it opens offline. A mode that failed is listed with its reason and left out of the plots.
 """
 
 from __future__ import annotations
@@ -46,15 +46,20 @@ def load_and_write(json_path: str | Path, html_path: str | Path) -> Path:
 def report_html(data: dict[str, Any]) -> str:
     """The whole page: a summary, then one plot per question, with plotly.js inlined once."""
     require_plotly()
-    runs = data["runs"]
-    if not runs:
+    if not data["runs"]:
         raise ValueError("the bench data has no runs to report")
+    summary = _summary_table(data["runs"], _labels(data["runs"]))
+    runs = [run for run in data["runs"] if run.get("error") is None]  # a failed mode has nothing to plot
     labels = _labels(runs)
     styles = _line_styles(runs)
-    figures = [
-        ("Output throughput over time", throughput_figure(runs, labels, styles)),
-        ("Latency distributions (fraction of requests at or below each latency)", cdf_figure(runs, labels, styles)),
-    ]
+    figures = (
+        []
+        if not runs
+        else [
+            ("Output throughput over time", throughput_figure(runs, labels, styles)),
+            ("Latency distributions (fraction of requests at or below each latency)", cdf_figure(runs, labels, styles)),
+        ]
+    )
     if len({run["rate"] for run in runs}) > 1:
         figures.insert(0, ("Sweep: throughput and tail latency against arrival rate", sweep_figure(runs, styles)))
     stepped = [i for i, run in enumerate(runs) if run["steps"]]  # baselines report no steps
@@ -71,7 +76,7 @@ def report_html(data: dict[str, Any]) -> str:
     return PAGE.format(
         title=html.escape(title),
         meta=_meta_table(meta),
-        summary=_summary_table(runs, labels),
+        summary=summary,
         plots="\n".join(parts),
     )
 
@@ -260,6 +265,10 @@ def _summary_table(runs: Sequence[dict[str, Any]], labels: list[str]) -> str:
     rows = []
     for run, label in zip(runs, labels, strict=True):
         m = run["metrics"]
+        if m is None:
+            failed = html.escape(f"failed: {run.get('error')}")
+            rows.append(f"<tr><td>{html.escape(label)}</td><td colspan='{len(header) - 1}'>{failed}</td></tr>")
+            continue
         kv = "-" if m["peak_kv_usage"] is None else f"{m['peak_kv_usage']:.0%}"
         cells = (
             label,

@@ -16,6 +16,7 @@ from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel
 from labkit.core.report import StepReport
 from labkit.core.request import RequestOutput
 from labkit.serving.bench.cli import main as bench_main
+from labkit.serving.workloads import check_num_requests
 
 USAGE = """usage: labkit {demo,bench} [options]
 
@@ -147,25 +148,31 @@ def demo_main(argv: Sequence[str] | None = None) -> int:
         help="'sim' for the simulated model, or any name labkit.models.load accepts (default: the bundled"
         " tiny-shakespeare, offline)",
     )
-    parser.add_argument("--requests", type=int, default=12, help="number of requests (default 12)")
+    parser.add_argument(
+        "--num-requests", "--requests", dest="num_requests", type=int, default=12, help="requests (default 12)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="workload and sampling seed (default 0)")
-    parser.add_argument("--steps", type=int, default=30, help="step rows to print per policy (default 30)")
+    parser.add_argument("--steps", type=int, default=30, help="step rows to print per policy (default 30; 0: none)")
     parser.add_argument("--device", default="auto", help="'auto' (CUDA if present), 'cpu' or 'cuda' (default auto)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1; set explicitly)")
     args = parser.parse_args(argv)
-    if args.requests < 1:
-        parser.error("--requests must be >= 1")
+    try:
+        check_num_requests(args.num_requests)  # the message labkit bench gives too
+    except ValueError as error:
+        parser.error(str(error))
+    if args.steps < 0:
+        parser.error(f"--steps must be >= 0, got {args.steps}")
     if args.threads < 1:
-        parser.error("--threads must be >= 1")
+        parser.error(f"--threads must be >= 1, got {args.threads}")
     console = Console()
     if args.model == "sim":
-        setup = simulated_setup(args.requests, args.seed)
+        setup = simulated_setup(args.num_requests, args.seed)
     else:
         import torch
 
         torch.set_num_threads(args.threads)
         try:
-            setup = model_setup(args.model, args.requests, args.seed, args.device)
+            setup = model_setup(args.model, args.num_requests, args.seed, args.device)
         except (OSError, ValueError, TypeError) as error:
             parser.error(str(error))
         console.print(f"{args.model} with torch on {args.threads} CPU thread(s)")

@@ -1,6 +1,31 @@
 #!/usr/bin/env bash
-# The lab's main job: set up, then step the engine through continuous and static batching.
+# The lab: set up .venv, then open the course in JupyterLab at notebooks/00_start_here.ipynb.
+#
+#   bash scripts/lab.sh                    # set up, start JupyterLab on 127.0.0.1 and print its URL
+#   bash scripts/lab.sh --port=8899        # any other argument goes to `jupyter lab`
+#   bash scripts/lab.sh --print-command    # print the command it would run, and exit (no setup, no server)
+#
+# Without a display (a server, a container) it passes --no-browser: open the printed URL yourself.
+# The same story in a terminal, without Jupyter: .venv/bin/labkit demo
 set -euo pipefail
 cd "$(dirname "$0")/.."
+start="notebooks/00_start_here.ipynb"
+command=(.venv/bin/jupyter lab "$start" --ip=127.0.0.1)
+if [ -z "${DISPLAY:-}${WAYLAND_DISPLAY:-}" ] && [ "$(uname -s)" != "Darwin" ]; then
+  command+=(--no-browser)
+fi
+print_only=0
+for arg in "$@"; do
+  if [ "$arg" = "--print-command" ]; then
+    print_only=1
+  else
+    command+=("$arg")
+  fi
+done
+if [ "$print_only" -eq 1 ]; then
+  echo "${command[*]}"
+  exit 0
+fi
 bash scripts/setup.sh
-.venv/bin/labkit demo "$@"
+echo "Starting JupyterLab on $start; open the http://127.0.0.1:... URL it prints below (Ctrl+C stops it)."
+exec "${command[@]}"

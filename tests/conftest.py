@@ -1,4 +1,4 @@
-"""Shared fixtures. Tests run offline; torch tests build tiny random-weight models on one thread."""
+"""Shared fixtures and helpers. Tests run offline; torch tests build tiny random-weight models on one thread."""
 
 from __future__ import annotations
 
@@ -9,6 +9,10 @@ from typing import Any
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Without an NVIDIA GPU, Triton kernels run only through Triton's interpreter, which must be switched on before
+# anything imports triton (torch and transformers may, while other tests are collected). Checked without torch.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # 2 layers, hidden 64, grouped-query attention (4 query heads share 2 KV heads): small enough that a
 # parity test runs dozens of engine configurations in seconds, real enough to exercise every code path.
@@ -36,3 +40,41 @@ def tiny_model() -> Callable[..., Any]:
         return random_model(arch, "tiny", seed=seed, **{**TINY_SHAPE, **overrides})
 
     return make
+
+
+class Boom(Exception):
+    """The injected failure."""
+
+
+def engine_state(engine: Any) -> tuple:
+    """Everything a step may change: the scheduler, the allocator and every request."""
+    scheduler, allocator = engine.scheduler, engine.allocator
+    requests = [
+        (
+            r.request_id,
+            r.state,
+            r.num_computed_tokens,
+            list(r.output_token_ids),
+            r.finish_reason,
+            r.metrics.num_preemptions,
+            r.metrics.first_scheduled_time,
+            r.metrics.first_token_time,
+            list(r.metrics.token_times),
+            r.metrics.finish_time,
+        )
+        for r in engine.requests.values()
+    ]
+    return (
+        scheduler.step_index,
+        [r.request_id for r in scheduler.waiting],
+        [r.request_id for r in scheduler.running],
+        sorted(scheduler.requests),
+        list(allocator.free_blocks),
+        {rid: list(table) for rid, table in allocator.block_tables.items()},
+        dict(allocator.num_slots),
+        list(allocator.ref_counts),
+        list(allocator.events),
+        allocator.step,
+        requests,
+        [r.request_id for r in engine._aborted],
+    )

@@ -124,7 +124,7 @@ def test_main_prints_table_and_writes_json(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--num-requests", "-3"], "num_requests must be >= 0"),
+        (["--num-requests", "-3"], "num_requests must be >= 1, got -3"),
         (["--modes", "nope"], "unknown mode 'nope'"),
         (["--modes", "labkit-static,hf-continuous"], "mode 'hf-continuous' cannot run"),
         (["--targets", "ttft<0.5"], "bad latency target"),

@@ -238,7 +238,7 @@ def test_generate_batch_honours_the_batching_knobs(model):
         generate_batch(model, [[5] * 10], GenerationConfig(max_new_tokens=4), continuous_batching_config=batching)
     small_budget = GenerationConfig(max_new_tokens=4, max_batch_tokens=8)
     with pytest.raises(ValueError, match="max_batch_tokens"):
-        generate_batch(model, [[5] * 10], small_budget, policy="static")
+        generate_batch(model, [[5] * 10], small_budget, policy="static", chunked_prefill=False)
     with pytest.raises(TypeError, match="unknown engine options"):
         generate_batch(model, [[5]], GenerationConfig(max_new_tokens=4), colour="blue")
     with pytest.raises(ValueError, match="max_new_tokens"):

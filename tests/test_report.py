@@ -30,7 +30,7 @@ def hand_made_report() -> StepReport:
             BlockEvent("free", 0, 1, 3),
             BlockEvent("free", 1, 1, 3),
             BlockEvent("free", 7, 0, 3),
-            BlockEvent("free", 9, 5, 3),
+            BlockEvent("free", 6, 5, 3),
         ],
         num_free_blocks=6,
         num_blocks=8,
@@ -69,7 +69,7 @@ def test_describe_tells_the_step_in_words():
         "step 3: request 2 took blocks 4, 5",
         "step 3: request 1 preempted, freed blocks 0, 1",
         "step 3: request 0 finished (length) and freed block 7",
-        "step 3: request 5 freed block 9",
+        "step 3: request 5 freed block 6",
     ]
 
 

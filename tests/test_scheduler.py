@@ -1,13 +1,15 @@
 """The scheduler: policy rules on hand-worked examples, bad input, and random runs checked step by step.
 
 The random runs drive a real Engine with a SimulatedModel through any interleaving of "add a request",
-"step" and "abort", on caches of a few blocks, and check after every operation that the KV-cache
-bookkeeping is sound and that every step respects the token budget.
+"step", "a step that fails" and "abort", on caches of a few blocks, and check after every operation that
+the KV-cache bookkeeping is sound, that every step respects the token budget, and that a failed step
+changed nothing.
 """
 
 import functools
 
 import pytest
+from conftest import Boom, engine_state
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -180,10 +182,12 @@ def test_bad_config_names_the_field(kwargs, error, match):
         (EngineConfig(block_size=4, num_blocks=4), 10, 8, r"needs 17 cache slots, but the whole KV cache holds 16"),
         (EngineConfig(block_size=4, num_blocks=4), 17, 1, r"prompt \(17 tokens\).*whole KV cache holds 16"),
         (
-            EngineConfig(block_size=4, num_blocks=64, max_batch_tokens=8, max_num_seqs=4, policy="static"),
+            EngineConfig(
+                block_size=4, num_blocks=64, max_batch_tokens=8, max_num_seqs=4, policy="static", chunked_prefill=False
+            ),
             9,
             1,
-            r"longer than max_batch_tokens \(8\)",
+            r"longer than max_batch_tokens \(8\); without chunked prefill",
         ),
         (
             EngineConfig(block_size=4, num_blocks=64, max_batch_tokens=8, max_num_seqs=4, chunked_prefill=False),
@@ -311,14 +315,15 @@ class EngineMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ the documented admission rule
     def fits(self, prompt_len: int, max_new_tokens: int) -> bool:
-        """A request can run iff its prompt + max_new_tokens - 1 tokens fit the whole cache, and, when it
-        must be computed in one step (static prefill, or no chunked prefill), the step's budget."""
+        """A request can run iff its prompt + max_new_tokens - 1 tokens fit the whole cache, and, without
+        chunked prefill, what must be computed in one step fits the step's budget: the prompt (static), or
+        everything the request may have to recompute after a preemption (continuous)."""
         needed = prompt_len + max_new_tokens - 1
         if needed > self.capacity:
             return False
-        if self.policy == "static":
-            return prompt_len <= self.config.max_batch_tokens
-        return self.chunked_prefill or needed <= self.config.max_batch_tokens
+        if self.chunked_prefill:
+            return True
+        return (prompt_len if self.policy == "static" else needed) <= self.config.max_batch_tokens
 
     def try_add(self, prompt: list[int], max_new_tokens: int, priority: int = 0) -> None:
         params = SamplingParams(max_new_tokens=max_new_tokens, priority=priority)
@@ -346,7 +351,33 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self):
-        report = self.engine.step()
+        self.check(self.engine.step())
+
+    @rule(where=st.sampled_from(["before the model", "after the model", "in the allocator"]))
+    def step_that_fails(self, where):
+        # Any exception before the commit rolls the step back; the final outputs (teardown) must not notice.
+        engine = self.engine
+        target, name = (engine.allocator, "allocate") if where == "in the allocator" else (engine.runner, "execute")
+        real = getattr(target, name)
+
+        def failing(*args):
+            if where != "before the model":
+                real(*args)  # the work is done (blocks taken, clock advanced), then it fails
+            raise Boom(where)
+
+        setattr(target, name, failing)
+        before = engine_state(engine)
+        try:
+            report = engine.step()
+        except Boom:
+            event(f"a step failed {where}")
+            assert engine_state(engine) == before
+        else:  # nothing called it (an empty step, or one that took no new blocks)
+            self.check(report)
+        finally:
+            delattr(target, name)
+
+    def check(self, report):
         config = self.config
         computed = sum(w.num_tokens for w in report.scheduled)
         assert computed + report.wasted_slots <= config.max_batch_tokens, "step went over the token budget"

@@ -145,7 +145,7 @@ def test_burstiness_sets_gap_spread(burstiness):
         ({"rate": float("nan")}, ValueError, "rate must be > 0"),
         ({"rate": "fast"}, TypeError, "rate must be a number"),
         ({"burstiness": 0}, ValueError, "burstiness must be a positive"),
-        ({"num_requests": -1}, ValueError, "num_requests must be >= 0"),
+        ({"num_requests": -1}, ValueError, "num_requests must be >= 1, got -1"),
         ({"num_requests": 0}, ValueError, "num_requests must be >= 1"),
         ({"num_requests": 2.5}, TypeError, "num_requests must be an int"),
         ({"prompt_len": (10, 5)}, ValueError, "prompt_len must have low <= high"),

@@ -11,12 +11,21 @@ With prefix caching on (``labkit.core.prefix_cache``), a request starts with ref
 blocks of its longest cached prefix and allocates new blocks only after them, so it never writes into a
 shared block. A freed block that holds a cached prefix is *reusable*: it counts as free, but is handed
 out again (evicted, least recently used first) only when no plain free block is left.
+
+An engine step is all or nothing (see labkit.core.engine), so the allocator can take a checkpoint:
+``checkpoint()`` starts a journal, every later change records the function that undoes it, and
+``rollback()`` replays those backwards: free queue (in its order), block tables, reference counts,
+``num_slots``, pending events and ``step`` are as they were, and so is the prefix cache (its index,
+its reusable blocks in their order, the per-step counts). ``commit()`` drops the journal. Entries are
+written only when blocks move, a few per step, so the safety net costs almost nothing when unused.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from dataclasses import replace
+from functools import partial
 from typing import NamedTuple
 
 from labkit.core.prefix_cache import PrefixCache, PrefixCacheStats, PrefixMatch
@@ -42,7 +51,12 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockAllocator:
-    """A free-block queue with per-block reference counts and per-request block tables."""
+    """A free-block queue with per-block reference counts and per-request block tables.
+
+    A subclass that changes this state only through the methods below is rolled back for free. One with
+    state of its own (a prefix cache's hash -> block map, say) journals each change with
+    :meth:`record_undo`, or overrides ``checkpoint``/``rollback`` to save and restore it (calling super()).
+    """
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
@@ -58,9 +72,11 @@ class BlockAllocator:
         self.num_slots: dict[Hashable, int] = {}  # token slots each request has claimed
         self.events: list[BlockEvent] = []  # drained by the engine once per step
         self.step = 0
-        self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
+        self.prefix_cache = PrefixCache(block_size, num_blocks, self.record_undo) if enable_prefix_caching else None
         self.num_indexed: dict[Hashable, int] = {}  # prefix caching: leading blocks of a table already indexed
         self.prefix_stats = PrefixCacheStats()  # this step's lookups, drained with the events
+        self._journal: list[Callable[[], None]] | None = None  # undo functions since checkpoint(), oldest first
+        self._saved: tuple[int, int, dict[Hashable, int]] = (0, 0, {})  # step, len(events), num_slots
 
     @property
     def num_free_blocks(self) -> int:
@@ -98,33 +114,46 @@ class BlockAllocator:
         """
         cached = prefix.blocks if prefix is not None else ()
         needed = self.blocks_needed(request_id, num_tokens) - len(cached)
-        if needed > self._available(cached):
+        if needed > len(self.free_blocks) and needed > self._available(cached):
             raise NoFreeBlocksError(f"request {request_id!r} needs {needed} blocks, only {self.num_free_blocks} free")
-        table = self.block_tables.setdefault(request_id, [])
+        table = self.block_tables.get(request_id)
+        if table is None:
+            table = self.block_tables[request_id] = []
+            self.record_undo(partial(self.block_tables.pop, request_id))
         if prefix is not None:
             if table:
                 raise ValueError(f"request {request_id!r} already owns blocks; a cached prefix comes first")
-            for block in prefix.blocks:
-                if self.ref_counts[block] == 0:
-                    del self.prefix_cache.reusable[block]
-                self.ref_counts[block] += 1
-                self.events.append(BlockEvent("hit", block, request_id, self.step))
-            table.extend(prefix.blocks)
-            self.num_indexed[request_id] = len(prefix.blocks)
-            self.prefix_stats.record(prefix, self.block_size)
-        new_blocks = []
+            self._share(request_id, table, prefix)
+        new_blocks, num_evicted = [], 0
         for _ in range(needed):
             if self.free_blocks:
                 block = self.free_blocks.popleft()
-            else:  # only reusable cached blocks are left: evict the least recently used
+            else:  # only reusable cached blocks are left: evict the least recently used (the cache journals it)
                 block = self.prefix_cache.evict_lru()
+                num_evicted += 1
                 self.events.append(BlockEvent("evict", block, request_id, self.step))
             self.ref_counts[block] = 1
             self.events.append(BlockEvent("alloc", block, request_id, self.step))
             new_blocks.append(block)
         table.extend(new_blocks)
+        if new_blocks:
+            self.record_undo(partial(self._undo_allocate, table, new_blocks, num_evicted))
         self.num_slots[request_id] = max(self.num_slots.get(request_id, 0), num_tokens)
         return new_blocks
+
+    def _share(self, request_id: Hashable, table: list[int], prefix: PrefixMatch) -> None:
+        """Take a reference to each cached block of ``prefix``: the start of a new request's table."""
+        cache = self.prefix_cache
+        for block in prefix.blocks:
+            if self.ref_counts[block] == 0:  # reusable until now: in use again
+                cache.revive(block)
+            self.ref_counts[block] += 1
+            self.events.append(BlockEvent("hit", block, request_id, self.step))
+        table.extend(prefix.blocks)
+        self.record_undo(partial(self._undo_share, table, prefix.blocks))
+        self._set_num_indexed(request_id, len(prefix.blocks))
+        self.record_undo(partial(setattr, self, "prefix_stats", replace(self.prefix_stats)))
+        self.prefix_stats.record(prefix, self.block_size)
 
     def match_prefix(self, request: Request) -> PrefixMatch:
         """The cached blocks ``request`` could start from (prefix caching on); nothing is taken yet."""
@@ -132,20 +161,32 @@ class BlockAllocator:
             raise RuntimeError("prefix caching is off for this allocator")
         return self.prefix_cache.match(request)
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Index the blocks that ``request``'s computed tokens have filled, so later requests can share them.
+    def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Index the blocks that ``request``'s first ``num_computed_tokens`` tokens fill, for later requests to share.
 
-        Called after the model step that computed them: the index only ever points at written keys and values.
+        Called once the model step that computed them has run: the index only points at written keys and values.
         """
         cache, request_id = self.prefix_cache, request.request_id
-        done, full = self.num_indexed.get(request_id, 0), request.num_computed_tokens // self.block_size
+        done, full = self.num_indexed.get(request_id, 0), num_computed_tokens // self.block_size
         if cache is None or full <= done:
             return
         table = self.block_tables[request_id]
         for index in range(done, full):
             if cache.insert(request, index, table[index]):
                 self.events.append(BlockEvent("cache", table[index], request_id, self.step))
-        self.num_indexed[request_id] = full
+        self._set_num_indexed(request_id, full)
+
+    def _set_num_indexed(self, request_id: Hashable, num_blocks: int | None) -> None:
+        """Set (or, with None, drop) how many leading blocks of ``request_id``'s table are indexed; journalled."""
+        old = self.num_indexed.pop(request_id, None)
+        if num_blocks is not None:
+            self.num_indexed[request_id] = num_blocks
+        self.record_undo(partial(self._restore_num_indexed, request_id, old))
+
+    def _restore_num_indexed(self, request_id: Hashable, num_blocks: int | None) -> None:
+        self.num_indexed.pop(request_id, None)
+        if num_blocks is not None:
+            self.num_indexed[request_id] = num_blocks
 
     def append_slot(self, request_id: Hashable) -> int:
         """Claim the slot for one more token of ``request_id`` (a decode step) and return it."""
@@ -164,8 +205,9 @@ class BlockAllocator:
         if table is None:
             raise KeyError(f"request {request_id!r} owns no blocks (double free or unknown request)")
         del self.num_slots[request_id]
-        self.num_indexed.pop(request_id, None)
         cache = self.prefix_cache
+        if cache is not None:
+            self._set_num_indexed(request_id, None)
         released, reusable = [], []
         for block in table:
             self.ref_counts[block] -= 1
@@ -179,7 +221,8 @@ class BlockAllocator:
             released.append(block)
             self.events.append(BlockEvent("free", block, request_id, self.step))
         for block in reversed(reusable):  # a prefix's tail is evicted before its head, which others may share
-            cache.reusable[block] = None
+            cache.release(block)
+        self.record_undo(partial(self._undo_free, request_id, table, len(released) - len(reusable)))
         return released
 
     def slot(self, request_id: Hashable, token_index: int) -> int:
@@ -202,3 +245,55 @@ class BlockAllocator:
             return None
         stats, self.prefix_stats = self.prefix_stats, PrefixCacheStats()
         return stats
+
+    # ------------------------------------------------------------------ checkpoint and rollback
+    def checkpoint(self) -> None:
+        """Start a journal: a later ``rollback()`` brings the allocator back to this moment."""
+        self._journal = []
+        self._saved = (self.step, len(self.events), self.num_slots.copy())  # num_slots moves every step
+
+    def record_undo(self, undo: Callable[[], None]) -> None:
+        """Journal ``undo``, a function that reverts a change just made; nothing happens without a checkpoint."""
+        if self._journal is not None:
+            self._journal.append(undo)
+
+    def commit(self) -> None:
+        """Keep every change made since ``checkpoint()`` and stop journalling."""
+        self._journal = None
+
+    def rollback(self) -> None:
+        """Undo every change made since ``checkpoint()``, newest first; a no-op without a checkpoint.
+
+        With prefix caching, the cached blocks the undone step evicted are back in the index, but the
+        model may have written other keys and values into them before the step failed: they are marked
+        stale, so no lookup hands them out until they are evicted again (an unchanged retry evicts them
+        first, as the failed step did).
+        """
+        journal, self._journal = self._journal, None
+        if journal is None:
+            return
+        for undo in reversed(journal):
+            undo()
+        self.step, num_events, self.num_slots = self._saved
+        if self.prefix_cache is not None:
+            self.prefix_cache.stale.update(e.block_id for e in self.events[num_events:] if e.kind == "evict")
+        del self.events[num_events:]
+
+    def _undo_allocate(self, table: list[int], new_blocks: list[int], num_evicted: int) -> None:
+        del table[len(table) - len(new_blocks) :]
+        for block in new_blocks:
+            self.ref_counts[block] -= 1
+        for block in reversed(new_blocks[: len(new_blocks) - num_evicted]):  # back to the front of the queue
+            self.free_blocks.appendleft(block)  # (evicted blocks go back to the cache: it journalled them)
+
+    def _undo_share(self, table: list[int], blocks: list[int]) -> None:
+        del table[len(table) - len(blocks) :]
+        for block in blocks:
+            self.ref_counts[block] -= 1
+
+    def _undo_free(self, request_id: Hashable, table: list[int], num_released: int) -> None:
+        for _ in range(num_released):  # they went to the back of the queue (reusable ones: the cache undoes them)
+            self.free_blocks.pop()
+        for block in table:
+            self.ref_counts[block] += 1
+        self.block_tables[request_id] = table

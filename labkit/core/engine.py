@@ -4,11 +4,17 @@ The model side is a *runner*: an object that owns the KV cache and turns a Sched
 sampled token per finished chunk. A transformers model gets labkit's torch ModelRunner; a
 SimulatedModel gets a runner that only advances a simulated clock. Allocator and scheduler classes
 can be swapped (``allocator_cls=``, ``scheduler_cls=``), which is how the exercises plug in.
+
+A step is all or nothing (``Engine.step``). A plugged-in scheduler keeps that promise by changing
+requests and queues only in ``update`` (``schedule`` plans); a plugged-in allocator by changing its
+state through BlockAllocator's methods, or journalling its own (``BlockAllocator.record_undo``).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -120,14 +126,18 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         token_ids = self._prompt_token_ids(prompt)
+        vocab = self.runner.vocab_size
+        for token in params.stop_token_ids:
+            if not 0 <= token < vocab:
+                raise ValueError(f"stop token id {token} is outside the vocabulary [0, {vocab})")
         if len(token_ids) + params.max_new_tokens - 1 > self.runner.max_model_len:
             raise ValueError(
                 f"prompt ({len(token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds"
                 f" the model's maximum length ({self.runner.max_model_len})"
             )
         self.scheduler.check_fits(len(token_ids), params.max_new_tokens)
+        now = self.clock() if arrival_time is None else _arrival_time(arrival_time)
         request_id = next(self._ids)
-        now = self.clock() if arrival_time is None else arrival_time
         request = Request(
             request_id,
             token_ids,
@@ -163,15 +173,29 @@ class Engine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> StepReport:
-        """Run one iteration: schedule, execute the model once on the packed batch, update requests."""
-        output = self.scheduler.schedule()
-        start = self.clock()
+        """Run one iteration: schedule, execute the model once on the packed batch, update requests.
+
+        A step is all or nothing. If anything raises before the scheduler commits (in ``schedule``, the
+        model, the sampler, a plugged-in allocator or scheduler, a KeyboardInterrupt), the step is rolled
+        back: queues, block tables, free blocks and every request are as they were, the exception
+        propagates, and the next ``step()`` does the same work again. Step listeners run after the
+        commit: one that raises does not undo the step.
+        """
+        scheduler = self.scheduler
+        output = None
+        try:
+            output = scheduler.schedule()
+            start = self.clock()
+            sampled = [] if output.is_empty else self.runner.execute(output, self.allocator)
+            end = self.clock()
+            finished = scheduler.update(output, sampled, end)  # the commit
+        except BaseException:
+            scheduler.rollback(output)
+            raise
         for request in output.admitted:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = start
-        sampled = [] if output.is_empty else self.runner.execute(output, self.allocator)
-        end = self.clock()
-        finished = self._aborted + self.scheduler.update(output, sampled, end)
+        finished[:0] = self._aborted
         self._aborted = []
         report = self._report(output, sampled, finished, start, end)
         for listener in self.step_listeners:
@@ -180,16 +204,27 @@ class Engine:
 
     def generate(
         self,
-        prompts: Sequence[str | Sequence[int]],
+        prompts: str | Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         progress: bool = False,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in input order.
 
-        ``params`` is one SamplingParams for all prompts or a list with one per prompt. If any
-        prompt is invalid, none is queued.
+        ``prompts`` is a list of prompts (texts or lists of token ids); a single text is one prompt. A
+        flat list of ints is refused (wrap it: ``[[5, 6, 7]]``), since it could mean one prompt or many.
+        ``params`` is one SamplingParams for all prompts or a list with one per prompt. If any prompt is
+        invalid, none is queued and nothing is left behind. If anything raises while they run
+        (KeyboardInterrupt included), the requests of this call are aborted and dropped from
+        ``requests``, their blocks freed, and the exception propagates; the next StepReport lists them
+        as aborted, as after ``abort()``, so a widget that saw them run sees them end.
         """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        elif not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+        elif prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+            raise TypeError("prompts is a flat list of ints; pass a list of prompts, e.g. [[5, 6, 7]] for one")
         if isinstance(params, SamplingParams) or params is None:
             params = [params] * len(prompts)
         elif len(params) != len(prompts):
@@ -198,26 +233,42 @@ class Engine:
         try:
             for prompt, p in zip(prompts, params, strict=True):
                 ids.append(self.add_request(prompt, p))
-        except (TypeError, ValueError):
-            for request_id in ids:
-                self.abort(request_id)
-                del self.requests[request_id]
+        except BaseException:
+            self._forget(ids, report=False)  # refused before anything ran: it leaves no trace
             raise
         bar = _progress_bar(len(ids)) if progress else None
         pending = set(ids)
-        while pending:
-            report = self.step()
-            if report.finished:
-                done = pending.intersection(report.finished)
-                pending -= done
-                if bar is not None:
-                    bar.update(len(done))
-        if bar is not None:
-            bar.close()
+        try:
+            while pending:
+                report = self.step()
+                if report.finished:
+                    done = pending.intersection(report.finished)
+                    pending -= done
+                    if bar is not None:
+                        bar.update(len(done))
+        except BaseException:
+            self._forget(ids, report=True)  # the next StepReport shows them aborted, as engine.abort() does
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         outputs = [self.output(request_id) for request_id in ids]
         for request_id in ids:
             del self.requests[request_id]
         return outputs
+
+    def _forget(self, request_ids: list[int], *, report: bool) -> None:
+        """Abort these requests (freeing their blocks) and drop them from ``requests``.
+
+        ``report=False`` also takes their aborts off the next StepReport: nobody ever saw them.
+        """
+        for request_id in request_ids:
+            if request_id in self.scheduler.requests:
+                self.abort(request_id)
+            del self.requests[request_id]
+        if not report:
+            forgotten = set(request_ids)
+            self._aborted = [r for r in self._aborted if r.request_id not in forgotten]
 
     # ------------------------------------------------------------------ helpers
     def _prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
@@ -277,6 +328,15 @@ class Engine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
         )
+
+
+def _arrival_time(value: object) -> float:
+    """A finite real number (numpy's included) as a float: metrics subtract it from the step times."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"arrival_time must be a number (seconds on the engine's clock), got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"arrival_time must be a finite number, got {value}")
+    return float(value)
 
 
 def _progress_bar(total: int) -> Any:

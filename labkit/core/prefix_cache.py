@@ -12,17 +12,23 @@ strings), so a trace or an exercise can name blocks by hash. A lookup also compa
 and parent digest with the request's, so a hash collision can never silently hand out the wrong block.
 
 A cached block that no request references any more stays in the index, *reusable*, until its slot is
-needed for new tokens; then the least recently used one is evicted. Its digest is remembered, so a later
-miss on it can be told apart from a prefix never seen.
+needed for new tokens; then the least recently used one is evicted. The digests of the last few thousand
+evicted blocks are remembered, so a later miss on one can be told apart from a prefix never seen.
+
+Every change is journalled through ``record_undo`` (the allocator's, see labkit.core.blocks), so a failed
+engine step leaves the index and the reusable blocks, in their order, exactly as they were.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import astuple, dataclass
+from functools import partial
+from operator import itemgetter
 from typing import NamedTuple
 
 from labkit.core.request import Request
@@ -99,14 +105,31 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    """The hash index over full cached blocks, and the LRU list of cached blocks nobody references."""
+    """The hash index over full cached blocks, and the LRU list of cached blocks nobody references.
 
-    def __init__(self, block_size: int) -> None:
+    ``record_undo`` receives, for every change, a function that reverts it (the allocator's journal);
+    ``remember_evicted`` bounds how many evicted digests are kept for the "evicted" miss reason
+    (default: four per block of the cache).
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int = 1024,
+        record_undo: Callable[[Callable[[], None]], None] | None = None,
+        remember_evicted: int | None = None,
+    ) -> None:
         self.block_size = block_size
         self.index: dict[bytes, CachedBlock] = {}  # digest -> the block holding that prefix
         self.digest_of: dict[int, bytes] = {}  # block id -> its digest, for every cached block
-        self.reusable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; least recently used first
-        self.evicted: set[bytes] = set()  # digests once cached and since evicted: the "evicted" miss reason
+        # Cached, unreferenced blocks, least recently used first, and the digests evicted lately, oldest first.
+        # Each value is a tick of one counter: the order to restore when an undo puts a key back in the middle.
+        self.reusable: OrderedDict[int, int] = OrderedDict()
+        self.evicted: OrderedDict[bytes, int] = OrderedDict()
+        self.remember_evicted = 4 * num_blocks if remember_evicted is None else remember_evicted
+        self.stale: set[int] = set()  # cached blocks a failed step may have overwritten: never handed out
+        self._record = record_undo or _no_journal
+        self._ticks = itertools.count()
 
     def hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         """The digests of ``request``'s first ``num_blocks`` full blocks, computed once and kept on the request."""
@@ -128,8 +151,9 @@ class PrefixCache:
             entry = self.index.get(digest)
             parent = digests[index - 1] if index else None
             tokens = tuple(request.tokens(index * size, (index + 1) * size))
-            if entry is None or entry.parent != parent or entry.token_ids != tokens:
-                miss = "evicted" if digest in self.evicted else "new"
+            if entry is None or entry.parent != parent or entry.token_ids != tokens or entry.block_id in self.stale:
+                stale = entry is not None and entry.block_id in self.stale
+                miss = "evicted" if stale or digest in self.evicted else "new"
                 return PrefixMatch(blocks, request.num_tokens, num_query, miss)
             blocks.append(entry.block_id)
         return PrefixMatch(blocks, request.num_tokens, num_query, None)
@@ -146,13 +170,60 @@ class PrefixCache:
         parent = digests[index - 1] if index else None
         self.index[digest] = CachedBlock(block_id, parent, tuple(request.tokens(index * size, (index + 1) * size)))
         self.digest_of[block_id] = digest
-        self.evicted.discard(digest)
+        evicted_at = self.evicted.pop(digest, None)  # cached again: no longer among the evicted
+        self._record(partial(self._undo_insert, digest, block_id, evicted_at))
         return True
+
+    def release(self, block_id: int) -> None:
+        """A cached block's last reference is gone: it becomes reusable, the most recently used."""
+        self.reusable[block_id] = next(self._ticks)
+        self._record(partial(self.reusable.pop, block_id))
+
+    def revive(self, block_id: int) -> None:
+        """A reusable block is referenced again (a prefix hit): it is no longer a candidate for eviction."""
+        tick = self.reusable.pop(block_id)
+        self._record(partial(self._undo_revive, block_id, tick))
 
     def evict_lru(self) -> int:
         """Drop the least recently used reusable block from the index and return its id, now a plain free block."""
-        block_id, _ = self.reusable.popitem(last=False)
+        block_id, tick = self.reusable.popitem(last=False)
         digest = self.digest_of.pop(block_id)
-        del self.index[digest]
-        self.evicted.add(digest)
+        entry = self.index.pop(digest)
+        self.stale.discard(block_id)  # its contents are about to be replaced anyway
+        self.evicted[digest] = next(self._ticks)
+        forgotten = self.evicted.popitem(last=False) if len(self.evicted) > self.remember_evicted else None
+        self._record(partial(self._undo_evict, block_id, tick, digest, entry, forgotten))
         return block_id
+
+    # ------------------------------------------------------------------ undo (see labkit.core.blocks)
+    def _undo_insert(self, digest: bytes, block_id: int, evicted_at: int | None) -> None:
+        del self.index[digest], self.digest_of[block_id]
+        if evicted_at is not None:
+            _put_back(self.evicted, digest, evicted_at)
+
+    def _undo_revive(self, block_id: int, tick: int) -> None:
+        _put_back(self.reusable, block_id, tick)
+
+    def _undo_evict(
+        self, block_id: int, tick: int, digest: bytes, entry: CachedBlock, forgotten: tuple[bytes, int] | None
+    ) -> None:
+        self.reusable[block_id] = tick
+        self.reusable.move_to_end(block_id, last=False)  # it was the least recently used
+        self.digest_of[block_id] = digest
+        self.index[digest] = entry
+        del self.evicted[digest]
+        if forgotten is not None:
+            self.evicted[forgotten[0]] = forgotten[1]
+            self.evicted.move_to_end(forgotten[0], last=False)
+
+
+def _put_back(ordered: OrderedDict, key: object, tick: int) -> None:
+    """Reinsert ``key`` where its ``tick`` places it (an undo only: sorting is fine there)."""
+    ordered[key] = tick
+    order = sorted(ordered.items(), key=itemgetter(1))
+    ordered.clear()
+    ordered.update(order)
+
+
+def _no_journal(undo: Callable[[], None]) -> None:
+    """A cache used on its own keeps no journal."""

@@ -13,16 +13,16 @@ The scheduler admits from the front of its waiting queue; the queue decides what
   the key is ``expected tokens + ageing x arrival step``, so each step a request has waited is worth
   ``ageing`` tokens of head start over later arrivals. A request expecting ``E`` tokens, arriving at step
   ``t``, ranks before every request arriving after step ``t + (E - 1) / ageing``: only finitely many can
-  pass it. The key never changes while a request waits, so the queue stays a plain heap.
+  pass it. The key never changes while a request waits, so the queue stays sorted as it is.
 """
 
 from __future__ import annotations
 
 import bisect
-import heapq
 import itertools
 from collections import deque
 from collections.abc import Iterator
+from operator import itemgetter
 
 from labkit.core.request import Request
 
@@ -30,7 +30,12 @@ AGEING = 8  # shortest-first: tokens of head start per step of waiting
 
 
 class FcfsQueue:
-    """First come, first served: a deque, with preempted requests put back in front."""
+    """First come, first served: a deque, with preempted requests put back in front.
+
+    The scheduler plans a step by iterating over the queue in order, without taking anything out; the
+    step's commit then takes the admitted requests off the front (``popleft``) and puts the preempted
+    ones back (``requeue``).
+    """
 
     preempts = False  # a waiting request never displaces a running one
 
@@ -50,10 +55,7 @@ class FcfsQueue:
         """Put a preempted request back."""
         self._queue.appendleft(request)
 
-    def peek(self) -> Request:
-        return self._queue[0]
-
-    def pop(self) -> Request:
+    def popleft(self) -> Request:
         return self._queue.popleft()
 
     def remove(self, request: Request) -> None:
@@ -71,10 +73,14 @@ class FcfsQueue:
 
 
 class RankedQueue(FcfsQueue):
-    """A heap ordered by ``rank(request, step)``, ties broken by arrival; a request keeps its key while it lives."""
+    """Kept sorted by ``rank(request, step)``, ties broken by arrival; a request keeps its key while it lives.
+
+    A sorted list rather than a heap: planning walks the queue in order every step, and inserting into
+    a list of a few thousand requests is a fast memory move.
+    """
 
     def __init__(self) -> None:
-        self._heap: list[tuple[tuple[float, ...], Request]] = []
+        self._entries: list[tuple[tuple[float, ...], Request]] = []  # (key, request), smallest key first
         self._keys: dict[int, tuple[float, ...]] = {}
         self._arrivals = itertools.count()
 
@@ -85,28 +91,24 @@ class RankedQueue(FcfsQueue):
         return self._keys[request.request_id]
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._entries)
 
     def __iter__(self) -> Iterator[Request]:
-        return (request for _, request in sorted(self._heap, key=lambda entry: entry[0]))
+        return (request for _, request in self._entries)
 
     def add(self, request: Request, step: int) -> None:
         key = (*self.rank(request, step), next(self._arrivals))  # unique: requests are never compared
         self._keys[request.request_id] = key
-        heapq.heappush(self._heap, (key, request))
+        bisect.insort(self._entries, (key, request), key=itemgetter(0))
 
     def requeue(self, request: Request) -> None:
-        heapq.heappush(self._heap, (self.key(request), request))
+        bisect.insort(self._entries, (self.key(request), request), key=itemgetter(0))
 
-    def peek(self) -> Request:
-        return self._heap[0][1]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[1]
+    def popleft(self) -> Request:
+        return self._entries.pop(0)[1]
 
     def remove(self, request: Request) -> None:
-        self._heap.remove((self.key(request), request))
-        heapq.heapify(self._heap)
+        self._entries.remove((self.key(request), request))
 
     def forget(self, request: Request) -> None:
         self._keys.pop(request.request_id, None)

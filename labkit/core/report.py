@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -51,6 +51,7 @@ class StepReport:
     num_running: int = 0
     num_waiting: int = 0
     prefix_cache: PrefixCacheStats | None = None  # this step's prefix-cache lookups (None: caching off)
+    gpu_util: float | None = None  # GPU utilisation (%) that a listener sampled from NVML after the step, if any
 
     @property
     def end_time(self) -> float:
@@ -124,15 +125,81 @@ class StepReport:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StepReport:
+    def from_dict(cls, data: Any) -> StepReport:
+        """The report :meth:`to_dict` wrote; ValueError naming the field for anything else."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a step must be a JSON object, got {_json_type(data)}")
+        missing = [name for name in _REQUIRED_FIELDS if name not in data]
+        if missing:
+            raise ValueError(f"missing field{_s(missing)} {', '.join(map(repr, missing))}")
+        unknown = sorted(set(data) - _FIELDS)
+        if unknown:
+            raise ValueError(f"unknown field{_s(unknown)} {', '.join(map(repr, unknown))}")
         data = dict(data)
-        data["scheduled"] = [ScheduledWork(*w) for w in data["scheduled"]]
-        data["padding"] = [ScheduledWork(*w) for w in data.get("padding", [])]
-        data["block_events"] = [BlockEvent(*e) for e in data.get("block_events", [])]
-        data["finished"] = {int(k): v for k, v in data.get("finished", {}).items()}
+        for name in _INT_FIELDS & data.keys():
+            _check(name, data[name], int, "an integer")
+        for name in ("start_time", "duration"):
+            _check(name, data[name], (int, float), "a number")
+        data["scheduled"] = _rows("scheduled", data["scheduled"], ScheduledWork)
+        data["padding"] = _rows("padding", data.get("padding", []), ScheduledWork)
+        data["block_events"] = _rows("block_events", data.get("block_events", []), BlockEvent)
+        try:
+            data["finished"] = {int(k): v for k, v in data.get("finished", {}).items()}
+        except (AttributeError, TypeError, ValueError):
+            raise ValueError("'finished' must map request ids to finish reasons") from None
         if data.get("prefix_cache") is not None:
-            data["prefix_cache"] = PrefixCacheStats(**data["prefix_cache"])
-        return cls(**data)
+            data["prefix_cache"] = _prefix_cache_stats(data["prefix_cache"])
+        report = cls(**data)
+        for work in report.scheduled + report.padding:
+            for name in ("start", "num_tokens"):
+                _check(f"a scheduled item's {name}", getattr(work, name), int, "an integer")
+        for event in report.block_events:
+            _check("a block event's block id", event.block_id, int, "an integer")
+            if not 0 <= event.block_id < report.num_blocks:
+                raise ValueError(f"block id {event.block_id} is outside the cache's blocks [0, {report.num_blocks})")
+        return report
+
+
+_FIELDS = frozenset(f.name for f in fields(StepReport))
+_REQUIRED_FIELDS = tuple(f.name for f in fields(StepReport) if f.default is MISSING and f.default_factory is MISSING)
+_INT_FIELDS = frozenset(("step", "num_free_blocks", "num_blocks", "block_size", "num_running", "num_waiting"))
+
+
+def _check(name: str, value: Any, kinds: type | tuple[type, ...], what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
+def _prefix_cache_stats(data: Any) -> PrefixCacheStats:
+    names = [f.name for f in fields(PrefixCacheStats)]
+    if not isinstance(data, dict) or set(data) != set(names):
+        raise ValueError(f"'prefix_cache' must be null or an object with the integers {', '.join(names)}")
+    for name in names:
+        _check(f"prefix_cache.{name}", data[name], int, "an integer")
+    return PrefixCacheStats(**data)
+
+
+def _rows(name: str, rows: Any, row_type: type[NamedTuple]) -> list[Any]:
+    """A list of JSON arrays, each holding one ``row_type``'s fields in order."""
+    width = len(row_type._fields)
+    if not isinstance(rows, list):
+        raise ValueError(f"{name!r} must be a list, got {_json_type(rows)}")
+    for row in rows:
+        if not isinstance(row, list) or len(row) != width:
+            raise ValueError(f"each item of {name!r} must be [{', '.join(row_type._fields)}], got {row!r}")
+    return [row_type(*row) for row in rows]
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number")
+
+
+class TraceError(ValueError):
+    """A file that is not a readable trace; the message names the file and the problem."""
+
+    def __init__(self, path: str | Path, problem: str) -> None:
+        super().__init__(f"cannot read trace {str(path)!r}: {problem}")
 
 
 def save_trace(path: str | Path, reports: Iterable[StepReport], **meta: Any) -> Path:
@@ -144,11 +211,34 @@ def save_trace(path: str | Path, reports: Iterable[StepReport], **meta: Any) -> 
 
 
 def load_trace(path: str | Path) -> tuple[list[StepReport], dict[str, Any]]:
-    """Read a trace written by :func:`save_trace`: the reports and the metadata."""
-    payload = json.loads(Path(path).read_text())
+    """Read a trace written by :func:`save_trace`: the reports and the metadata.
+
+    A file that is not such a trace (empty, truncated, not JSON, a field missing, a block id outside the
+    cache) raises one ValueError that names the file and the problem.
+    """
+    try:
+        payload = json.loads(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise TraceError(path, "not a text file") from None
+    except json.JSONDecodeError as error:
+        problem = "the file is empty" if not error.doc.strip() else f"not valid JSON (truncated?): {error}"
+        raise TraceError(path, problem) from None
+    if not isinstance(payload, dict):
+        raise TraceError(path, f"expected a JSON object with 'version', 'meta' and 'steps', got {_json_type(payload)}")
     if payload.get("version") != TRACE_VERSION:
-        raise ValueError(f"{path}: unsupported trace version {payload.get('version')!r}")
-    return [StepReport.from_dict(s) for s in payload["steps"]], payload.get("meta", {})
+        raise TraceError(path, f"unsupported trace version {payload.get('version')!r} (expected {TRACE_VERSION})")
+    steps, meta = payload.get("steps"), payload.get("meta", {})
+    if not isinstance(steps, list):
+        raise TraceError(path, f"'steps' must be a list of steps, got {_json_type(steps)}")
+    if not isinstance(meta, dict):
+        raise TraceError(path, f"'meta' must be an object, got {_json_type(meta)}")
+    reports = []
+    for index, step in enumerate(steps):
+        try:
+            reports.append(StepReport.from_dict(step))
+        except ValueError as error:
+            raise TraceError(path, f"step {index}: {error}") from None
+    return reports, meta
 
 
 def _ids(blocks: list[int]) -> str:

@@ -6,6 +6,8 @@ is recomputed from its prompt plus the tokens it already produced; an aborted on
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -24,10 +26,12 @@ class RequestState(str, Enum):
 class SamplingParams:
     """How to pick each next token, and when to stop.
 
-    ``temperature=0`` is greedy. ``top_k=0`` and ``top_p=1.0`` switch those filters off. A ``seed``
-    makes sampling reproducible per request: the same request draws the same tokens whether it runs
-    alone, in a batch, or is preempted and recomputed. ``priority`` matters only under
-    ``EngineConfig(scheduling="priority")``: lower numbers run first.
+    ``temperature=0`` is greedy; any finite temperature above 0 samples, however small (a tiny one picks
+    the most likely token, as its limit, greedy, does). ``top_k=0`` and ``top_p=1.0`` switch those
+    filters off. A ``seed`` (an int >= 0) makes sampling reproducible per request: the same request draws
+    the same tokens whether it runs alone, in a batch, or is preempted and recomputed. Numbers may be
+    any real or integral type (numpy's included); they are stored as Python floats and ints.
+    ``priority`` matters only under ``EngineConfig(scheduling="priority")``: lower numbers run first.
     """
 
     max_new_tokens: int = 64
@@ -40,31 +44,33 @@ class SamplingParams:
     priority: int = 0
 
     def __post_init__(self) -> None:
-        _check_int("max_new_tokens", self.max_new_tokens)
+        # Any real number is accepted (numpy's float32 as well as float64) and stored as a plain float or int,
+        # so the sampler builds its tensors from Python numbers.
+        self._set("max_new_tokens", _as_int("max_new_tokens", self.max_new_tokens))
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise TypeError(f"temperature must be a number, got {type(self.temperature).__name__}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        _check_int("top_k", self.top_k)
+        self._set("temperature", _as_float("temperature", self.temperature))
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        self._set("top_k", _as_int("top_k", self.top_k))
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
-            raise TypeError(f"top_p must be a number, got {type(self.top_p).__name__}")
+        self._set("top_p", _as_float("top_p", self.top_p))
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None:
-            _check_int("seed", self.seed)
+            self._set("seed", _as_int("seed", self.seed))
+            if self.seed < 0:
+                raise ValueError(f"seed must be >= 0 (or None), got {self.seed}")
         if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
             raise TypeError("stop_token_ids must be a sequence of ints")
-        stop = tuple(self.stop_token_ids)
-        for token in stop:
-            _check_int("stop_token_ids item", token)
-        object.__setattr__(self, "stop_token_ids", stop)
+        self._set("stop_token_ids", tuple(_as_int("stop_token_ids item", t) for t in self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
-        _check_int("priority", self.priority)
+        self._set("priority", _as_int("priority", self.priority))
+
+    def _set(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)  # the dataclass is frozen; only __post_init__ normalizes
 
     @property
     def greedy(self) -> bool:
@@ -139,12 +145,11 @@ class Request:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
-    def append_token(self, token: int) -> str | None:
-        """Record a generated token and return the finish reason it causes, if any."""
-        self.output_token_ids.append(token)
+    def finish_reason_for(self, token: int) -> str | None:
+        """The finish reason that generating ``token`` next would cause, if any."""
         if token in self.stop_ids:
             return "stop"
-        if len(self.output_token_ids) >= self.params.max_new_tokens:
+        if len(self.output_token_ids) + 1 >= self.params.max_new_tokens:
             return "length"
         return None
 
@@ -177,6 +182,18 @@ class RequestOutput:
         }
 
 
-def _check_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+def _as_int(name: str, value: object) -> int:
+    """An integer of any kind (int, numpy.int64, ...) as a Python int; bool is refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return int(value)
+
+
+def _as_float(name: str, value: object) -> float:
+    """A real number of any kind (int, float, numpy.float32, ...) as a Python float; bool and NaN are refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if math.isnan(value):
+        raise ValueError(f"{name} must be a number, got NaN")
+    return value

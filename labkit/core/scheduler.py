@@ -12,14 +12,27 @@ Two policies:
   request needs a block and none is free, the last running request (the most recently admitted, or
   under ``"priority"`` the lowest-ranked) is preempted and later recomputed from scratch. With prefix
   caching, an admitted request starts from the cached blocks of its prompt's longest cached prefix
-  and computes only the rest; blocks its computed tokens fill are indexed after each step.
+  and computes only the rest; the blocks a step's tokens fill are indexed when it commits.
 * ``"static"`` - the classic padded batch: a new batch starts only when the previous one has fully
   finished; each member reserves blocks for prompt + ``max_new_tokens`` up front; finished members
   keep their row (computed and thrown away) until the longest member is done. Those rows, and the
-  padding of shorter prompts, are counted as wasted slots.
+  padding of shorter prompts, are counted as wasted slots. A padded batch is a rectangle: its ``n``
+  rows are as long as the longest prompt ``L``, so its prefill computes ``n * L`` rows, of which
+  ``n * L - sum(prompts)`` are padding. Members join a batch while that rectangle fits one step's
+  budget; a prompt longer than the budget forms a batch of its own (it has nothing to pad) and is
+  prefilled in chunks of the budget, as continuous batching would. Decoding starts once every
+  member's prompt is in.
 
 The order of the waiting queue is the scheduling policy (``labkit.core.queues``): first come first
 served, by priority (a waiting request may preempt a running one it outranks), or shortest first.
+
+A step is a plan and then a commit. ``schedule()`` only *plans*: it reads the queues and requests
+and returns a SchedulerOutput, and the only state it changes is the allocator's (blocks for the
+chunks, blocks freed by preemption), inside an allocator checkpoint. ``update()`` *commits* the plan
+once the model has run: it moves admitted and preempted requests between the queues, advances each
+chunk's ``num_computed_tokens``, records the sampled tokens. If anything fails in between,
+``rollback()`` undoes the allocator and the scheduler is exactly as before ``schedule()``: nothing
+else was touched. A subclass keeps that contract by changing requests and queues only in ``update``.
 """
 
 from __future__ import annotations
@@ -57,6 +70,12 @@ class SchedulerOutput:
     padding: list[ScheduledChunk] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_cached_tokens: dict[int, int] = field(default_factory=dict)  # admitted request id -> tokens from the cache
+
+    def add_chunk(self, request: Request, start: int, num_tokens: int, is_prefill: bool) -> None:
+        """Plan tokens ``start .. start + num_tokens - 1`` of ``request``; reaching its last token samples."""
+        samples = start + num_tokens == request.num_tokens
+        self.chunks.append(ScheduledChunk(request, start, num_tokens, is_prefill, samples))
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +101,7 @@ class Scheduler:
         self.running: list[Request] = []  # in the queue's order (admission, or rank): the last is preempted first
         self.requests: dict[int, Request] = {}  # every unfinished request, by id
         self.step_index = 0
+        self.evict_first: list[Request] = []  # preempted by a step that failed: see rollback()
         self.prefix_caching = getattr(allocator, "prefix_cache", None) is not None
 
     # ------------------------------------------------------------------ requests in and out
@@ -96,10 +116,10 @@ class Scheduler:
                 f" cache slots, but the whole KV cache holds {capacity}"
                 f" ({self.allocator.num_blocks} blocks x {self.allocator.block_size})"
             )
-        if cfg.policy == "static" and num_prompt_tokens > cfg.max_batch_tokens:
+        if cfg.policy == "static" and not cfg.chunked_prefill and num_prompt_tokens > cfg.max_batch_tokens:
             raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) is longer than max_batch_tokens"
-                f" ({cfg.max_batch_tokens}); the static policy prefills a prompt in one step"
+                f"prompt ({num_prompt_tokens} tokens) is longer than max_batch_tokens ({cfg.max_batch_tokens});"
+                " without chunked prefill the static policy prefills a prompt in one step"
             )
         if cfg.policy == "continuous" and not cfg.chunked_prefill and needed > cfg.max_batch_tokens:
             raise ValueError(
@@ -124,6 +144,7 @@ class Scheduler:
             self.waiting.remove(request)
         elif self.config.policy == "continuous":
             self.running.remove(request)
+            self.allocator.free(request_id)
         self._finish(request, "abort", now)
         if self.config.policy == "static":
             self._end_static_batch_if_done()
@@ -134,88 +155,173 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
-        self.step_index += 1
-        self.allocator.step = self.step_index
+        """Plan the next step. Only the allocator changes here, inside a checkpoint; ``update`` commits."""
+        self.allocator.checkpoint()
+        self.allocator.step = self.step_index + 1
         if self.config.policy == "static":
             return self._schedule_static()
         return self._schedule_continuous()
 
+    def rollback(self, output: SchedulerOutput | None = None) -> None:
+        """Forget the planned step: put the allocator back as it was before ``schedule()``.
+
+        What the model wrote into the KV cache cannot be rolled back: if the step preempted requests,
+        their blocks may now hold other requests' keys and values. So the next plan evicts them first,
+        as the failed step did (when nothing changed in between, that is the very same plan).
+        """
+        self.allocator.rollback()
+        if output is not None and output.preempted:
+            self.evict_first = list(output.preempted)
+
     def update(self, output: SchedulerOutput, sampled: Sequence[int], now: float) -> list[Request]:
-        """Record the tokens the model produced (one per sampling chunk, in order); return finished requests."""
+        """Commit the planned step with the tokens the model produced (one per sampling chunk, in order).
+
+        What can fail comes first, while the allocator can still roll back: the check of ``sampled``,
+        indexing the blocks this step filled (prefix caching) and freeing the blocks of the requests this
+        step finishes (a plugged-in allocator may raise). Then
+        the allocator commits and the plan is applied with plain assignments: the queues, each chunk's
+        ``num_computed_tokens``, the new tokens. Returns the requests that finished.
+        """
+        sampling = [chunk.request for chunk in output.chunks if chunk.samples]
+        if len(sampled) != len(sampling):
+            raise ValueError(f"the step samples {len(sampling)} tokens, but the model returned {len(sampled)}")
+        reasons = list(map(Request.finish_reason_for, sampling, sampled))
+        finishing = [r for r, why in zip(sampling, reasons, strict=True) if why] if any(reasons) else []
+        if self.prefix_caching:  # the step wrote these tokens' keys and values: index the blocks they filled
+            for chunk in output.chunks:
+                self.allocator.cache_full_blocks(chunk.request, chunk.start + chunk.num_tokens)
+        ends_batch = self._free_finished(output, finishing)
+        self.allocator.commit()  # the point of no return
+
+        self.step_index = output.step
+        self.evict_first = []
+        if output.preempted:  # they were the end of the running list
+            del self.running[len(self.running) - len(output.preempted) :]
+        for request in output.admitted:  # they were the head of the queue
+            self.waiting.popleft()
+            self.waiting.place(self.running, request)
+            request.state = RequestState.PREFILLING
+        for request_id, num_cached in output.num_cached_tokens.items():
+            request = self.requests[request_id]
+            if request.num_cached_tokens is None:  # a recomputation does not count again
+                request.num_cached_tokens = num_cached
+        for victim in output.preempted:  # back to the waiting queue, to be recomputed from scratch
+            victim.state = RequestState.WAITING
+            victim.num_computed_tokens = 0
+            victim.metrics.num_preemptions += 1
+            self.waiting.requeue(victim)
+
         finished = []
-        tokens = iter(sampled)
+        results = zip(sampled, reasons, strict=True)
         for chunk in output.chunks:
             request = chunk.request
-            if self.prefix_caching:  # the step wrote these tokens' keys and values: index the full blocks
-                self.allocator.cache_full_blocks(request)
+            request.num_computed_tokens = chunk.start + chunk.num_tokens
             if not chunk.samples:
                 continue
+            token, reason = next(results)
             metrics = request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.token_times.append(now)
             request.state = RequestState.DECODING
-            reason = request.append_token(next(tokens))
+            request.output_token_ids.append(token)
             if reason is not None:
                 self._finish(request, reason, now)
                 finished.append(request)
-        if finished:
-            if self.config.policy == "continuous":
-                self.running = [r for r in self.running if r.state is not RequestState.FINISHED]
-            else:
-                self._end_static_batch_if_done()
+        if finished and self.config.policy == "continuous":
+            self.running = [r for r in self.running if r.state is not RequestState.FINISHED]
+        elif ends_batch:
+            self.running = []
         return finished
+
+    def _free_finished(self, output: SchedulerOutput, finishing: list[Request]) -> bool:
+        """Free the blocks this step gives back; return whether it ends the static batch.
+
+        Continuous batching frees a finished request's blocks at once; a static batch keeps every
+        member's blocks until its last member finishes.
+        """
+        if self.config.policy == "continuous":
+            for request in finishing:
+                self.allocator.free(request.request_id)
+            return False
+        if not finishing:
+            return False
+        batch = self.running or output.admitted
+        if any(r.state is not RequestState.FINISHED and r not in finishing for r in batch):
+            return False
+        for request in batch:
+            self.allocator.free(request.request_id)
+        return True
 
     # ------------------------------------------------------------------ continuous batching
     def _schedule_continuous(self) -> SchedulerOutput:
-        cfg, allocator = self.config, self.allocator
-        output = SchedulerOutput(step=self.step_index, chunks=[])
+        cfg, allocator, running = self.config, self.allocator, self.running
+        output = SchedulerOutput(step=self.step_index + 1, chunks=[])
         budget = cfg.max_batch_tokens
-        if self.waiting.preempts:
-            budget = self._admit_outranking(output, budget)
+        waiting = iter(self.waiting)  # admissions take the queue's head in order, across both loops below
+        head = next(waiting, None)
+
+        end_of_running = len(running)  # victims leave from the end: running[end_of_running:]
+        if self.waiting.preempts:  # priority: a waiting request that outranks the last running one goes first
+            while head is not None and budget > 0 and end_of_running > 0:
+                last = running[end_of_running - 1]
+                if not self.waiting.outranks(head, last):
+                    break
+                if used := self._admit(output, head, budget, end_of_running):
+                    budget -= used
+                    head = next(waiting, None)
+                elif not cfg.chunked_prefill and head.num_tokens > budget:
+                    break  # it needs a step with more budget, not more room
+                else:  # displace the lowest-ranked running request
+                    end_of_running -= 1
+                    self._preempt(output, last)
         displaced = len(output.preempted)
-        fresh = {r.request_id for r in output.admitted}  # already scheduled this step
 
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        # A failed step's victims (still the end of the list, unless aborted since) must not run.
+        num_evict_first = sum(1 for r in self.evict_first if r.state is not RequestState.FINISHED)
+        end_of_runnable = min(end_of_running, len(running) - num_evict_first)
+        while i < end_of_runnable and budget > 0:
+            request = running[i]
             remaining = request.num_tokens - request.num_computed_tokens
             num_tokens = min(remaining, budget)
-            if request.request_id in fresh or (num_tokens < remaining and not cfg.chunked_prefill):
-                i += 1  # admitted above, or does not fit whole: wait for a step with more room
+            if num_tokens < remaining and not cfg.chunked_prefill:
+                i += 1  # does not fit whole: wait for a step with more room
                 continue
             end = request.num_computed_tokens + num_tokens
             needed = allocator.blocks_needed(request.request_id, end)  # usually 0: decodes fill the last block
-            while needed > allocator.num_free_blocks:
-                victim = self.running.pop()  # most recently admitted, or lowest-ranked
-                self._preempt(victim)
-                output.preempted.append(victim)
-                if victim is request:
-                    break
-            if request.state is RequestState.WAITING:  # preempted itself: nothing younger was left
+            while needed > allocator.num_free_blocks and end_of_running > i:
+                end_of_running -= 1
+                self._preempt(output, running[end_of_running])  # the most recently admitted, or lowest-ranked
+            if end_of_running == i:  # preempted itself: nothing younger was left
                 break
+            end_of_runnable = min(end_of_runnable, end_of_running)
             allocator.allocate(request.request_id, end)
-            self._add_chunk(output, request, num_tokens)
+            output.add_chunk(request, request.num_computed_tokens, num_tokens, request.state is RequestState.PREFILLING)
             budget -= num_tokens
             i += 1
+        while end_of_running > end_of_runnable:  # the failed step's victims that nothing has evicted yet
+            end_of_running -= 1
+            self._preempt(output, running[end_of_running])
 
         # Admit new work only when no running request had to be preempted for blocks: otherwise we would
         # evict and admit at once. (Displacing lower-ranked requests for a better one, above, is the point.)
         if len(output.preempted) == displaced:
-            while self.waiting and budget > 0 and (used := self._admit_next(output, budget)):
+            while head is not None and budget > 0 and (used := self._admit(output, head, budget, end_of_running)):
                 budget -= used
+                head = next(waiting, None)
         return output
 
-    def _admit_next(self, output: SchedulerOutput, budget: int) -> int:
-        """Admit the head of the waiting queue with its first chunk if a seat, the budget and the blocks allow.
+    def _admit(self, output: SchedulerOutput, request: Request, budget: int, num_running: int) -> int:
+        """Plan to admit ``request`` with its first chunk if a seat, the budget and the blocks allow.
 
-        Returns the chunk's tokens, or 0 if it cannot start now. With prefix caching it starts from the
-        cached blocks of its longest cached prefix, and its first chunk is the rest of its tokens.
+        Returns the chunk's tokens, or 0 if it cannot start now (``num_running``: running requests that
+        stay this step). With prefix caching it starts from the cached blocks of its longest cached
+        prefix, and its first chunk is the rest of its tokens.
         """
         cfg, allocator = self.config, self.allocator
-        if len(self.running) >= cfg.max_num_seqs:
+        if num_running + len(output.admitted) >= cfg.max_num_seqs:
             return 0
-        request = self.waiting.peek()
         prefix = allocator.match_prefix(request) if self.prefix_caching else None
         start = len(prefix.blocks) * allocator.block_size if prefix is not None else 0
         remaining = request.num_tokens - start
@@ -224,73 +330,62 @@ class Scheduler:
             return 0
         if not allocator.can_allocate(request.request_id, start + num_tokens, prefix):
             return 0
-        self.waiting.pop()
         allocator.allocate(request.request_id, start + num_tokens, prefix)
-        request.num_computed_tokens = start  # the cached prefix is already computed
-        if request.num_cached_tokens is None:
-            request.num_cached_tokens = start
-        self._admit(output, request)
-        self._add_chunk(output, request, num_tokens)
+        output.admitted.append(request)
+        if prefix is not None:
+            output.num_cached_tokens[request.request_id] = start
+        output.add_chunk(request, start, num_tokens, True)
         return num_tokens
 
-    def _admit_outranking(self, output: SchedulerOutput, budget: int) -> int:
-        """Priority: waiting requests that outrank the last running one start first, displacing it if they must.
-
-        Returns the budget left. The displaced request is the lowest-ranked running one; it is recomputed later.
-        """
-        while budget > 0 and self.waiting and self.running:
-            head, last = self.waiting.peek(), self.running[-1]
-            if not self.waiting.outranks(head, last):
-                break
-            used = self._admit_next(output, budget)
-            if used:
-                budget -= used
-            elif not self.config.chunked_prefill and head.num_tokens > budget:
-                break  # it needs a step with more budget, not more room
-            else:
-                self.running.pop()
-                self._preempt(last)
-                output.preempted.append(last)
-        return budget
-
-    def _preempt(self, request: Request) -> None:
-        """Release the request's blocks and put it back in the waiting queue, to be recomputed."""
-        self.allocator.free(request.request_id)
-        request.num_computed_tokens = 0
-        request.state = RequestState.WAITING
-        request.metrics.num_preemptions += 1
-        self.waiting.requeue(request)
+    def _preempt(self, output: SchedulerOutput, victim: Request) -> None:
+        """Plan to preempt ``victim``: its blocks are freed now, it is recomputed from scratch later."""
+        self.allocator.free(victim.request_id)
+        output.preempted.append(victim)
 
     # ------------------------------------------------------------------ static batching
     def _schedule_static(self) -> SchedulerOutput:
-        cfg, allocator = self.config, self.allocator
-        output = SchedulerOutput(step=self.step_index, chunks=[])
-        if not self.running:  # the previous batch is completely done: form a new one
-            longest = 0
-            while self.waiting and len(self.running) < cfg.max_num_seqs:
-                request = self.waiting.peek()
-                padded_rows = (len(self.running) + 1) * max(longest, request.num_prompt_tokens)
-                reserve = request.num_prompt_tokens + request.params.max_new_tokens - 1
-                if padded_rows > cfg.max_batch_tokens or not allocator.can_allocate(request.request_id, reserve):
-                    break
-                self.waiting.pop()
-                allocator.allocate(request.request_id, reserve)
-                longest = max(longest, request.num_prompt_tokens)
-                self._admit(output, request)
-                self.running.append(request)
-            for request in self.running:
-                self._add_chunk(output, request, request.num_prompt_tokens)
-                if request.num_prompt_tokens < longest:  # right-padding up to the longest prompt
-                    pad = longest - request.num_prompt_tokens
-                    output.padding.append(ScheduledChunk(request, request.num_prompt_tokens, pad, True, False))
+        output = SchedulerOutput(step=self.step_index + 1, chunks=[])
+        batch = self.running or self._form_static_batch(output)
+        if not batch:
             return output
-
-        for request in self.running:
+        if any(r.num_computed_tokens < r.num_prompt_tokens for r in batch):  # prefill the padded batch's next columns
+            longest = max(r.num_prompt_tokens for r in batch)
+            done = max(r.num_computed_tokens for r in batch)  # prompt columns computed in every row
+            width = min(self.config.max_batch_tokens // len(batch), longest - done)
+            for request in batch:
+                real = min(done + width, request.num_prompt_tokens) - done
+                output.add_chunk(request, done, real, True)
+                if real < width:  # right-padding of a shorter prompt
+                    output.padding.append(ScheduledChunk(request, done + real, width - real, True, False))
+            return output
+        for request in batch:  # every prompt is in: one decode row per member, finished ones included
             if request.state is RequestState.FINISHED:  # a dead row that stays in the batch
                 output.padding.append(ScheduledChunk(request, request.num_computed_tokens, 1, False, False))
             else:
-                self._add_chunk(output, request, 1)
+                output.add_chunk(request, request.num_computed_tokens, 1, False)
         return output
+
+    def _form_static_batch(self, output: SchedulerOutput) -> list[Request]:
+        """The previous batch is done: plan a new one from the head of the queue (``update`` admits it).
+
+        Members join while seats and cache allow and the prompts, padded to the longest, still prefill in
+        one step; a first prompt longer than the budget makes a batch of one. Each member reserves blocks
+        for prompt + ``max_new_tokens`` up front.
+        """
+        cfg, allocator, longest = self.config, self.allocator, 0
+        for request in self.waiting:
+            if len(output.admitted) >= cfg.max_num_seqs:
+                break
+            padded_longest = max(longest, request.num_prompt_tokens)
+            if output.admitted and (len(output.admitted) + 1) * padded_longest > cfg.max_batch_tokens:
+                break
+            reserve = request.num_prompt_tokens + request.params.max_new_tokens - 1
+            if not allocator.can_allocate(request.request_id, reserve):
+                break
+            allocator.allocate(request.request_id, reserve)
+            longest = padded_longest
+            output.admitted.append(request)
+        return output.admitted
 
     def _end_static_batch_if_done(self) -> None:
         if self.running and all(r.state is RequestState.FINISHED for r in self.running):
@@ -299,24 +394,9 @@ class Scheduler:
             self.running = []
 
     # ------------------------------------------------------------------ shared helpers
-    def _admit(self, output: SchedulerOutput, request: Request) -> None:
-        request.state = RequestState.PREFILLING
-        if self.config.policy == "continuous":
-            self.waiting.place(self.running, request)
-        output.admitted.append(request)
-
-    def _add_chunk(self, output: SchedulerOutput, request: Request, num_tokens: int) -> None:
-        start = request.num_computed_tokens
-        is_prefill = request.state is RequestState.PREFILLING
-        request.num_computed_tokens = start + num_tokens
-        samples = request.num_computed_tokens == request.num_tokens
-        output.chunks.append(ScheduledChunk(request, start, num_tokens, is_prefill, samples))
-
     def _finish(self, request: Request, reason: str, now: float) -> None:
         request.state = RequestState.FINISHED
         request.finish_reason = reason
         request.metrics.finish_time = now
         del self.requests[request.request_id]
         self.waiting.forget(request)
-        if self.config.policy == "continuous" and request.request_id in self.allocator.block_tables:
-            self.allocator.free(request.request_id)

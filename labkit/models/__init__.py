@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from labkit.models.random import random_model
-from labkit.runtime.runner import resolve_device, resolve_dtype
+from labkit.runtime.runner import default_gpu_dtype, resolve_device, resolve_dtype
 
 __all__ = ["CourseModel", "available_models", "course_model", "load", "random_model"]
 
@@ -112,9 +112,10 @@ def load(name_or_path: str | Path, device: str | torch.device = "auto", dtype: A
 
 
 def _resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
-    """None picks float32 on the CPU (fast and exact there) and bfloat16 on GPUs (half the memory, same range)."""
+    """None picks float32 on the CPU (fast and exact there); on GPUs bfloat16 (half the memory, same range)
+    where they compute in it, float16 on older ones (a T4)."""
     if dtype is None:
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        return torch.float32 if device.type == "cpu" else default_gpu_dtype(device)
     return resolve_dtype(dtype)
 
 
@@ -127,7 +128,30 @@ def _looks_like_hub_id(name: str) -> bool:
 def _from_directory(path: Path, device: torch.device, dtype: torch.dtype, **kwargs: Any) -> tuple[Any, Any]:
     if not path.is_dir():
         raise ValueError(f"model directory {str(path)!r} does not exist")
+    missing = _missing_checkpoint_files(path, kwargs.get("gguf_file"))
+    if missing:
+        raise ValueError(
+            f"model directory {str(path)!r} holds no checkpoint: it has no {' and no '.join(missing)}."
+            " Write one with model.save_pretrained(path) and tokenizer.save_pretrained(path)"
+        )
     return _from_pretrained(str(path), device, dtype, **kwargs)
+
+
+def _missing_checkpoint_files(path: Path, gguf_file: str | None) -> list[str]:
+    """What a transformers checkpoint directory lacks: a config, weights, a tokenizer (a GGUF file holds all three)."""
+    if gguf_file is not None:
+        return [] if (path / gguf_file).is_file() else [gguf_file]
+    wanted = {
+        "config.json": ["config.json"],
+        "weights (*.safetensors or *.bin)": ["*.safetensors", "*.bin"],
+        "tokenizer (tokenizer.json, tokenizer_config.json, *.model or vocab.*)": [
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "*.model",
+            "vocab.*",
+        ],
+    }
+    return [what for what, patterns in wanted.items() if not any(any(path.glob(p)) for p in patterns)]
 
 
 def _from_pretrained(source: str, device: torch.device, dtype: torch.dtype, **kwargs: Any) -> tuple[Any, Any]:

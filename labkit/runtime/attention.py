@@ -495,15 +495,15 @@ AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
 
 
 @contextmanager
-def use_paged_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Route ``model``'s attention layers to labkit's paged attention inside the block, then restore.
+def use_paged_attention(model: torch.nn.Module, name: str = ATTENTION_NAME) -> Iterator[None]:
+    """Route ``model``'s attention layers to labkit's paged attention ``name`` inside the block, then restore.
 
     transformers builds no attention mask for an implementation it has no mask function for, so no
     T x T mask is created: the PagedBatch carries the masks.
     """
     config = model.config
     previous = config._attn_implementation
-    config._attn_implementation = ATTENTION_NAME
+    config._attn_implementation = name
     try:
         yield
     finally:

@@ -8,7 +8,7 @@ with ``.prompt_ids`` and ``.generated_tokens``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -29,6 +29,49 @@ BATCHING_CONFIG_KNOBS = {
     "max_batch_tokens": "max_batch_tokens",
     "max_requests_per_batch": "max_num_seqs",
 }
+# GenerationConfig settings that change which tokens come out and that labkit does not implement, each with
+# the value that switches it off. A setting left unset (None) or at that value is fine; any other is refused,
+# so code written for transformers never gets different tokens without being told.
+UNSUPPORTED_SETTINGS = {
+    "num_beams": 1,
+    "num_beam_groups": 1,
+    "num_return_sequences": 1,
+    "penalty_alpha": None,
+    "dola_layers": None,
+    "diversity_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "length_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "min_length": 0,
+    "min_new_tokens": 0,
+    "max_time": None,
+    "stop_strings": None,
+    "min_p": None,
+    "top_h": None,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "bad_words_ids": None,
+    "force_words_ids": None,
+    "constraints": None,
+    "sequence_bias": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None,
+    "renormalize_logits": False,
+    "remove_invalid_values": False,
+    "guidance_scale": 1.0,
+    "watermarking_config": None,
+    "token_healing": False,
+    "prompt_lookup_num_tokens": None,
+    "assistant_early_exit": None,
+}
+# What transformers samples with when do_sample is set and these are not.
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
 
 
 @dataclass
@@ -57,20 +100,24 @@ def generate_batch(
     """Generate for every prompt in ``inputs`` with labkit's engine; return {"req_i": result} in input order.
 
     Reads ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p`` and ``eos_token_id`` from
-    ``generation_config`` (default: the model's), plus the batching knobs ``num_blocks``, ``block_size`` and
-    ``max_batch_tokens`` when set on it or on ``continuous_batching_config``. ``engine_options`` are
-    EngineConfig fields and win over both (e.g. ``policy="static"``, ``device="cpu"``).
+    ``generation_config`` (a transformers GenerationConfig; default: the model's), plus the batching knobs
+    ``num_blocks``, ``block_size`` and ``max_batch_tokens`` when set on it or on ``continuous_batching_config``.
+    As in transformers, ``do_sample`` unset or False is greedy whatever the temperature. A setting labkit does
+    not implement (``num_beams``, ``repetition_penalty``, ``min_new_tokens``, ...: UNSUPPORTED_SETTINGS) is
+    refused with a ValueError unless it is left at the value that switches it off. ``engine_options`` are
+    EngineConfig fields and win over the knobs (e.g. ``policy="static"``, ``device="cpu"``).
     """
     if generation_config is None:
         generation_config = getattr(model, "generation_config", None)
     if generation_config is None:
         raise ValueError("no generation_config given and the model has none")
+    _check_generation_config(generation_config)
+    if isinstance(continuous_batching_config, Mapping):
+        raise TypeError("continuous_batching_config must be a transformers ContinuousBatchingConfig, got a dict")
     if not isinstance(inputs, (list, tuple)):
         raise TypeError(f"inputs must be a list of token-id lists, got {type(inputs).__name__}")
     if not inputs:
         return {}
-    if (getattr(generation_config, "num_return_sequences", None) or 1) != 1:
-        raise ValueError("num_return_sequences > 1 is not supported")
 
     options = _knobs(generation_config, GENERATION_CONFIG_KNOBS)
     if continuous_batching_config is not None:
@@ -80,8 +127,6 @@ def generate_batch(
     unknown = sorted(set(options) - known)
     if unknown:
         raise TypeError(f"unknown engine options {unknown}; EngineConfig fields are {sorted(known)}")
-    if "max_num_seqs" not in options:  # the default (64) may exceed a small token budget
-        options["max_num_seqs"] = min(EngineConfig.max_num_seqs, options.get("max_batch_tokens", 512))
 
     params = _sampling_params(generation_config, max_new_tokens)
     engine = Engine(model, EngineConfig(**options))
@@ -90,6 +135,27 @@ def generate_batch(
         f"req_{i}": GenerationResult(f"req_{i}", out.prompt_token_ids, out.output_token_ids, out.finish_reason)
         for i, out in enumerate(outputs)
     }
+
+
+def _check_generation_config(config: Any) -> None:
+    """TypeError for anything but a GenerationConfig; ValueError naming each setting labkit would ignore."""
+    from transformers import GenerationConfig
+
+    if not isinstance(config, GenerationConfig):
+        raise TypeError(
+            f"generation_config must be a transformers GenerationConfig, got {type(config).__name__}"
+            " (for a dict d, pass GenerationConfig(**d))"
+        )
+    unsupported = [
+        f"{name}={value!r} (off: {off!r})"
+        for name, off in UNSUPPORTED_SETTINGS.items()
+        if (value := getattr(config, name, None)) is not None and value != off
+    ]
+    if unsupported:
+        raise ValueError(
+            f"generation_config sets {', '.join(unsupported)}, which labkit's engine does not implement;"
+            " leave them unset or switched off, or use model.generate"
+        )
 
 
 def _knobs(config: Any, names: dict[str, str]) -> dict[str, Any]:
@@ -105,11 +171,13 @@ def _sampling_params(config: Any, max_new_tokens: int | None) -> SamplingParams:
         raise ValueError("set max_new_tokens (on the generation config or as an argument)")
     sampling: dict[str, Any] = {"max_new_tokens": max_new_tokens}
     if config.do_sample:
-        sampling["temperature"] = 1.0 if config.temperature is None else config.temperature
-        sampling["top_k"] = config.top_k or 0
-        sampling["top_p"] = 1.0 if config.top_p is None else config.top_p
+        for name, default in SAMPLING_DEFAULTS.items():
+            value = getattr(config, name)
+            sampling[name] = default if value is None else value
     eos = config.eos_token_id
     if eos is not None:
-        sampling["stop_token_ids"] = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        # A negative id (transformers' eos_token_id=-1) matches no token: nothing stops the request early.
+        ids = eos if isinstance(eos, (list, tuple)) else (eos,)
+        sampling["stop_token_ids"] = tuple(i for i in ids if i >= 0)
         sampling["ignore_eos"] = True  # the model's own EOS ids are replaced by the ones above
     return SamplingParams(**sampling)

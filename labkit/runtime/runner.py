@@ -11,8 +11,12 @@ the caller chose (benchmarks pin it to 1).
 
 from __future__ import annotations
 
+import gc
+import importlib.util
+import os
 import platform
 import time
+import weakref
 from contextlib import nullcontext
 from typing import Any
 
@@ -22,7 +26,7 @@ from labkit.core.blocks import BlockAllocator
 from labkit.core.config import EngineConfig
 from labkit.core.scheduler import SchedulerOutput
 from labkit.runtime.attention import (
-    PagedBatch,
+    ATTENTION_NAME,
     PagedKVCache,
     Segment,
     build_paged_batch,
@@ -38,22 +42,33 @@ CPU_CACHE_BYTES = 256 * 2**20
 CUDA_MEMORY_FRACTION = 0.9
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The live runners of each model: a second runner may convert a model only while no other one uses it.
+_RUNNERS: weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet[ModelRunner]] = weakref.WeakKeyDictionary()
 
 
 class ModelRunner:
     """Owns a transformers model and its paged KV cache, and turns a SchedulerOutput into sampled tokens.
 
-    The model is moved to the configured device and dtype in place (``nn.Module.to``). Its attention is
-    switched to labkit's paged attention only while a step runs, so ``model.generate`` still works; on a
-    CPU its linear layers likewise run on oneDNN-packed weights during a step (labkit.runtime.packed).
+    The model is moved to the configured device and dtype in place (``nn.Module.to``). While another live
+    runner uses the model, a runner that would convert it to another device or dtype is refused: the other
+    runner's cache and packed weights were made for the old one. Its attention is switched to labkit's paged
+    attention only while a step runs, so ``model.generate`` still works; on a CPU its linear layers likewise
+    run on oneDNN-packed weights during a step (labkit.runtime.packed).
     """
 
     def __init__(self, model: Any, config: EngineConfig) -> None:
         if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+        output_embeddings = getattr(model, "get_output_embeddings", None)
+        if output_embeddings is None or output_embeddings() is None:
+            raise TypeError(
+                f"{type(model).__name__} has no LM head: a base model computes hidden states, not next-token"
+                " logits. Load a causal LM (transformers' AutoModelForCausalLM, or labkit.models.load)"
+            )
         self.config = config
         self.device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype)
+        _check_conversion(model, self.device, dtype)
         self.model = model.to(device=self.device, dtype=dtype).eval()
         self.dtype = next(model.parameters()).dtype
         text = model.config.get_text_config()
@@ -66,6 +81,15 @@ class ModelRunner:
         self.sampler = Sampler()
         self.cache: PagedKVCache | None = None
         self.packed_linears = PackedLinears.of(self.model) if config.pack_weights else None
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        self.attention_name = ATTENTION_NAME
+        self.use_cuda_graph = resolve_use_cuda_graph(config.use_cuda_graph, self.attention_backend, self.device)
+        self.graphs: Any = None  # DecodeGraphs, captured in init_cache
+        if self.attention_backend == "triton":
+            from labkit.runtime.triton_attention import TRITON_ATTENTION_NAME, StepUploader
+
+            self.attention_name = TRITON_ATTENTION_NAME
+            self.uploader = StepUploader(self.device)
 
     def clock(self) -> float:
         return time.perf_counter()
@@ -75,6 +99,13 @@ class ModelRunner:
         if num_blocks is None:
             num_blocks = self._blocks_from_memory(block_size)
         self.cache = self._new_cache(num_blocks, block_size)
+        if self.use_cuda_graph:
+            from labkit.runtime.cuda_graphs import DecodeGraphs
+
+            with torch.inference_mode():
+                max_blocks = -(-self.max_model_len // block_size)
+                self.graphs = DecodeGraphs(self._forward, self.cache, self.config.max_num_seqs, max_blocks)
+        _RUNNERS.setdefault(self.model, weakref.WeakSet()).add(self)  # from now on it needs the model as it is
         return num_blocks
 
     @torch.inference_mode()
@@ -97,19 +128,33 @@ class ModelRunner:
             token_ids += [self.pad_token_id] * chunk.num_tokens
             segments.append(Segment(chunk.start, chunk.num_tokens, tables[chunk.request.request_id], False))
 
-        batch = build_paged_batch(self.cache, segments, self.device)
-        logits = self._forward(token_ids, batch, sample_rows)
+        logits = self._logits(self.cache, token_ids, segments, sample_rows)
         params = [r.params for r in sampling_requests]
         return self.sampler(logits, params, [len(r.output_token_ids) for r in sampling_requests])
 
     # ------------------------------------------------------------------ helpers
-    def _forward(self, token_ids: list[int], batch: PagedBatch, sample_rows: list[int]) -> torch.Tensor:
+    def _logits(
+        self, cache: PagedKVCache, token_ids: list[int], segments: list[Segment], sample_rows: list[int]
+    ) -> torch.Tensor:
         """Logits (len(sample_rows), vocab) for the packed tokens' rows ``sample_rows``."""
-        input_ids = long_tensor(token_ids, self.device)[None]
-        # 0 keeps every row: a pure decode step samples from all of them, and then needs no index.
-        keep = 0 if len(sample_rows) == len(token_ids) else long_tensor(sample_rows, self.device)
+        if self.attention_backend == "torch":
+            batch: Any = build_paged_batch(cache, segments, self.device)
+            input_ids = long_tensor(token_ids, self.device)[None]
+            # 0 keeps every row: a pure decode step samples from all of them, and then needs no index.
+            keep: Any = 0 if len(sample_rows) == len(token_ids) else long_tensor(sample_rows, self.device)
+            return self._forward(input_ids, batch, keep)
+        if self.graphs is not None and cache is self.cache and self.graphs.can_run(segments, cache.block_size):
+            logits = self.graphs.run(token_ids, segments)
+            return logits if len(sample_rows) == len(segments) else logits[long_tensor(sample_rows, self.device)]
+        from labkit.runtime.triton_attention import build_triton_batch
+
+        input_ids, batch, keep = build_triton_batch(cache, segments, token_ids, sample_rows, self.uploader)
+        return self._forward(input_ids, batch, keep)
+
+    def _forward(self, input_ids: torch.Tensor, batch: Any, keep: torch.Tensor | int) -> torch.Tensor:
+        """One forward pass over a packed step (1, T) whose layout is ``batch``; logits of the ``keep`` rows."""
         linears = self.packed_linears.active() if self.packed_linears else nullcontext()
-        with use_paged_attention(self.model), linears:
+        with use_paged_attention(self.model, self.attention_name), linears:
             out = self.model(
                 input_ids=input_ids,
                 position_ids=batch.position_ids[None],
@@ -146,12 +191,12 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         baseline = torch.cuda.memory_allocated(self.device)
         cache = self._new_cache(num_blocks, block_size)
-        batch = build_paged_batch(cache, [Segment(0, num_tokens, range(num_blocks))], self.device)
-        logits = self._forward([self.pad_token_id] * num_tokens, batch, list(range(num_rows)))
+        segments = [Segment(0, num_tokens, list(range(num_blocks)))]
+        logits = self._logits(cache, [self.pad_token_id] * num_tokens, segments, list(range(num_rows)))
         logits.softmax(dim=-1).sort(dim=-1)  # the sampler's largest temporaries
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - baseline - cache.data.nbytes
-        del cache, batch, logits
+        del cache, logits
         torch.cuda.empty_cache()
         return peak
 
@@ -172,8 +217,41 @@ def kv_bytes_per_block(model: Any, block_size: int) -> int:
 
 
 def cpu_cache_blocks(model: Any, block_size: int) -> int:
-    """Blocks of the KV cache that ``num_blocks=None`` gives on a CPU: CPU_CACHE_BYTES' worth."""
-    return max(1, CPU_CACHE_BYTES // kv_bytes_per_block(model, block_size))
+    """Blocks of the KV cache that ``num_blocks=None`` gives on a CPU: CPU_CACHE_BYTES' worth, never more.
+
+    ValueError if not even one block fits in that budget.
+    """
+    per_block = kv_bytes_per_block(model, block_size)
+    if per_block > CPU_CACHE_BYTES:
+        raise ValueError(
+            f"one KV-cache block of {block_size} tokens takes {per_block / 2**20:,.0f} MiB, more than the"
+            f" {CPU_CACHE_BYTES // 2**20} MiB that num_blocks=None gives the cache on a CPU: use a smaller"
+            " block_size, or set num_blocks"
+        )
+    return CPU_CACHE_BYTES // per_block
+
+
+def _check_conversion(model: Any, device: torch.device, dtype: torch.dtype | None) -> None:
+    """Refuse to convert a model in place to another device or dtype while a live runner depends on it."""
+    weight = next(model.parameters())
+    if _placed(device) == weight.device and dtype in (None, weight.dtype):
+        return  # nothing changes
+    gc.collect()  # an engine that is gone but sits in a reference cycle (a recorder) must not count
+    if _RUNNERS.get(model):
+        wanted = f"{dtype or weight.dtype} on {device}".replace("torch.", "")
+        current = f"{weight.dtype} on {weight.device}".replace("torch.", "")
+        raise ValueError(
+            f"the model runs in another Engine as {current}; an Engine with {wanted} would convert it in place"
+            " (nn.Module.to) and break that engine. Use the same device and dtype, delete the other engine"
+            " first, or load a second copy of the model"
+        )
+
+
+def _placed(device: torch.device) -> torch.device:
+    """Where ``.to(device)`` puts tensors: plain "cuda" means the current CUDA device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_device(device: Any) -> torch.device:
@@ -209,6 +287,38 @@ def resolve_dtype(dtype: Any) -> torch.dtype | None:
     if dtype not in DTYPES.values():
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype}")
     return dtype
+
+
+def resolve_attention_backend(backend: str, device: torch.device) -> str:
+    """``"auto"`` is Triton on CUDA when triton is installed, else torch; ``"triton"`` needs one of the two
+    places Triton kernels run: a CUDA device, or (for tests, slowly) its CPU interpreter (TRITON_INTERPRET=1)."""
+    has_triton = importlib.util.find_spec("triton") is not None
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and has_triton else "torch"
+    if backend == "triton":
+        if not has_triton:
+            raise ValueError("attention_backend='triton' needs the triton package (pip install 'labkit-batching[gpu]')")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "attention_backend='triton' runs on CUDA; on a CPU only under Triton's interpreter (TRITON_INTERPRET=1)"
+            )
+    return backend
+
+
+def resolve_use_cuda_graph(use_cuda_graph: bool | None, backend: str, device: torch.device) -> bool:
+    """None means on wherever the Triton backend runs on CUDA; True needs the Triton backend (graphs replay its
+    fixed-shape launches; on a CPU, under the interpreter, replays are simulated for tests)."""
+    if use_cuda_graph is None:
+        return backend == "triton" and device.type == "cuda"
+    if use_cuda_graph and backend != "triton":
+        raise ValueError("use_cuda_graph=True needs attention_backend='triton' (or 'auto' on CUDA with triton)")
+    return use_cuda_graph
+
+
+def default_gpu_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 on GPUs that compute in it (compute capability 8.0+), float16 on older ones (e.g. a T4)."""
+    major, _ = torch.cuda.get_device_capability(device)
+    return torch.bfloat16 if major >= 8 else torch.float16
 
 
 def _eos_token_ids(model: Any) -> frozenset[int]:

@@ -73,8 +73,12 @@ def sample_rows(
     ``top_k == 0`` and ``top_p == 1`` switch the filters off; ``uniform`` holds one number in [0, 1) per row.
     """
     vocab = logits.shape[-1]
-    scaled = logits / temperature[:, None]
-    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # a temperature keeps the order
+    # Scaled with the largest logit shifted to 0, the others stay <= 0 however small the temperature: they
+    # can underflow to probability 0 but never overflow to inf and NaN, so a tiny temperature tends to greedy.
+    # The clamp keeps a temperature below float32's range from rounding to 0.
+    tiny = torch.finfo(logits.dtype).tiny
+    sorted_logits = (sorted_logits - sorted_logits[:, :1]).div_(temperature.clamp(min=tiny)[:, None])
     rank = torch.arange(vocab, device=logits.device)
     keep_k = torch.where(top_k > 0, top_k, vocab)
     sorted_logits = sorted_logits.masked_fill(rank >= keep_k[:, None], float("-inf"))

@@ -227,9 +227,7 @@ def make_workload(
     if sampler is None:
         raise ValueError(f"unknown workload {name!r}; choose from {sorted(WORKLOADS)}")
     n = DEFAULT_NUM_REQUESTS if num_requests is None else num_requests
-    _check_count("num_requests", n)
-    if n < 1:
-        raise ValueError(f"num_requests must be >= 1, got {n}")
+    check_num_requests(n)
     _check_options(name, sampler, options)
     if (vocab_size is None) == (tokenizer is None):
         raise ValueError("give exactly one of vocab_size (token-id prompts) or tokenizer (text prompts)")
@@ -266,6 +264,11 @@ def _check_options(name: str, sampler: LengthSampler, options: dict[str, Any]) -
     for option in options:
         if option not in known:
             raise ValueError(f"unknown option {option!r} for workload {name!r}; it takes {sorted(known)}")
+
+
+def check_num_requests(n: object) -> None:
+    """A workload's request count must be an int >= 1: one check and one message, shared with ``labkit demo``."""
+    _check_positive("num_requests", n)
 
 
 def _check_count(name: str, value: object) -> None:

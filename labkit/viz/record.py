@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from labkit.core.report import StepReport, load_trace, save_trace
+from labkit.core.report import StepReport, TraceError, load_trace, save_trace
 
 
 class RequestInfo(NamedTuple):
@@ -39,9 +39,7 @@ class Recorder:
         if meta is not None and not isinstance(meta, Mapping):
             raise TypeError(f"meta must be a mapping, got {type(meta).__name__}")
         meta = dict(meta or {})
-        self.requests: dict[int, RequestInfo] = {
-            int(rid): RequestInfo(**info) for rid, info in meta.pop("requests", {}).items()
-        }
+        self.requests: dict[int, RequestInfo] = _request_infos(meta.pop("requests", {}))
         self.meta: dict[str, Any] = meta
         self.subscribers: list[Callable[[StepReport], None]] = []
         self.engine: Any = None
@@ -115,9 +113,35 @@ class Recorder:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Recorder:
-        """Read a trace written by :meth:`save` (or by ``save_trace``) for replay."""
+        """Read a trace written by :meth:`save` (or by ``save_trace``) for replay.
+
+        A broken file raises one ValueError naming the file and the problem (see ``load_trace``).
+        """
         reports, meta = load_trace(path)
-        return cls(reports, meta)
+        try:
+            return cls(reports, meta)
+        except ValueError as error:
+            raise TraceError(path, str(error)) from None
+
+
+def _request_infos(requests: Any) -> dict[int, RequestInfo]:
+    """The ``requests`` metadata: request id -> {prompt_tokens, max_new_tokens, arrival_time}."""
+    if not isinstance(requests, Mapping):
+        raise ValueError(f"meta 'requests' must map request ids to what they asked for, got {requests!r}")
+    infos = {}
+    for rid, info in requests.items():
+        fields = RequestInfo._fields
+        if (
+            not isinstance(info, Mapping)
+            or set(info) != set(fields)
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in info.values())
+        ):
+            raise ValueError(f"meta 'requests' {rid!r} must hold the numbers {', '.join(fields)}, got {info!r}")
+        try:
+            infos[int(rid)] = RequestInfo(**info)
+        except ValueError:
+            raise ValueError(f"meta 'requests' has a request id that is not an int: {rid!r}") from None
+    return infos
 
 
 def record(engine: Any) -> Recorder:
@@ -126,6 +150,20 @@ def record(engine: Any) -> Recorder:
         if isinstance(listener, Recorder):
             return listener
     return Recorder().attach(engine)
+
+
+def as_recorders(runs: Mapping[Any, Any], widget: str) -> dict[str, Recorder]:
+    """``{label: source}`` as ``{label: Recorder}``; an error in one run says which run (its label) it is."""
+    if not runs:
+        raise ValueError(f"{widget} needs at least one run")
+    recorders = {}
+    for label, source in runs.items():
+        try:
+            recorders[str(label)] = as_recorder(source)
+        except (TypeError, ValueError) as error:
+            kind = TypeError if isinstance(error, TypeError) else ValueError
+            raise kind(f"{widget} run {str(label)!r}: {error}") from None
+    return recorders
 
 
 def as_recorder(source: Any) -> Recorder:

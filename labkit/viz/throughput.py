@@ -19,7 +19,7 @@ from labkit.core.report import StepReport
 from labkit.viz._compat import FigureView, Throttle
 from labkit.viz._display import Displayable
 from labkit.viz.blockmap import PALETTE
-from labkit.viz.record import Recorder, as_recorder
+from labkit.viz.record import Recorder, as_recorders
 
 RUN_COLORS = {"continuous": "#4c78a8", "static": "#f58518"}
 SERIES = ("tokens_per_s", "kv_usage", "batch_size")
@@ -102,9 +102,7 @@ class LiveThroughput(Displayable):
     ) -> None:
         if not isinstance(runs, Mapping):
             runs = {"run": runs}
-        if not runs:
-            raise ValueError("LiveThroughput needs at least one run")
-        self.runs: dict[str, Recorder] = {str(label): as_recorder(source) for label, source in runs.items()}
+        self.runs: dict[str, Recorder] = as_recorders(runs, "LiveThroughput")
         if baseline is None:
             baseline = "static" if "static" in self.runs else next(iter(self.runs))
         if baseline not in self.runs:

@@ -18,7 +18,7 @@ from plotly.subplots import make_subplots
 from labkit.core.report import StepReport
 from labkit.viz._compat import FigureView, Throttle
 from labkit.viz._display import Displayable
-from labkit.viz.record import Recorder, as_recorder
+from labkit.viz.record import Recorder, as_recorder, as_recorders
 
 PHASE_COLORS = {
     "waiting": "#c7c7c7",
@@ -124,9 +124,7 @@ class Timeline(Displayable):
     def __init__(self, runs: Any, *, min_redraw_seconds: float = 0.5) -> None:
         if not isinstance(runs, Mapping):
             runs = {"run": runs}
-        if not runs:
-            raise ValueError("Timeline needs at least one run")
-        self.runs: dict[str, Recorder] = {str(label): as_recorder(source) for label, source in runs.items()}
+        self.runs: dict[str, Recorder] = as_recorders(runs, "Timeline")
         self._throttle = Throttle(min_redraw_seconds)
         self._listen(self.runs.values())
 

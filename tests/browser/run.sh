@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Real-browser test of the widgets: JupyterLab on 127.0.0.1 opens notebooks/blockmap_demo.ipynb in Debian's
-# Chromium, driven headless by Playwright (playwright-core, no browser download), runs it, presses play
-# on the BlockMap and checks that the heatmap changed and the throughput plot gained points.
+# Real-browser test of the widgets: JupyterLab on 127.0.0.1 opens course notebooks in Debian's Chromium,
+# driven headless by Playwright (playwright-core, no browser download), runs each one cell by cell, checks
+# that its widgets rendered, presses play on its BlockMap and checks that the heatmap changed (and, where a
+# notebook has a live throughput plot, that it gained points while the engine ran).
 #
-#   tests/browser/run.sh            # screenshots go to tests/browser/artifacts/ (or $BROWSER_TEST_OUT)
+#   tests/browser/run.sh                              # 00_start_here and 03_paged_kv_cache
+#   tests/browser/run.sh 04_continuous_batching.ipynb # the notebooks named (in notebooks/)
+#
+# Screenshots go to tests/browser/artifacts/<notebook>/ (or $BROWSER_TEST_OUT/<notebook>/).
 #
 # Uses $PYTHON (default: python3 on PATH, e.g. an activated venv with labkit installed) for JupyterLab and
 # its kernel. Installs what is missing: Debian's chromium, JupyterLab and the widget packages, and
@@ -43,7 +47,13 @@ trap cleanup EXIT
 # no announcement pop-up, and every notebook cell kept in the page so the test can find it.
 mkdir -p "$work/notebooks" "$work/config/labconfig" "$work/runtime" "$work/workspaces" \
   "$work/settings/@jupyterlab/notebook-extension" "$work/settings/@jupyterlab/apputils-extension"
-cp "$root/notebooks/blockmap_demo.ipynb" "$work/notebooks/"
+notebooks=("$@")
+if [ "${#notebooks[@]}" -eq 0 ]; then
+  notebooks=(00_start_here.ipynb 03_paged_kv_cache.ipynb)
+fi
+for name in "${notebooks[@]}"; do
+  cp "$root/notebooks/$name" "$work/notebooks/"
+done
 cat >"$work/config/jupyter_server_config.py" <<'EOF'
 c.LabApp.news_url = None
 c.LabApp.check_for_updates_class = "jupyterlab.NeverCheckForUpdate"
@@ -80,8 +90,11 @@ for _ in $(seq 120); do
 done
 
 rc=0
-node "$here/blockmap_demo.mjs" "http://127.0.0.1:$port/lab/tree/blockmap_demo.ipynb?token=$token&reset" \
-  "$root/notebooks/blockmap_demo.ipynb" "$out" || rc=$?
+for name in "${notebooks[@]}"; do
+  echo "---- $name"
+  node "$here/notebook.mjs" "http://127.0.0.1:$port/lab/tree/$name?token=$token&reset" \
+    "$root/notebooks/$name" "$out/${name%.ipynb}" || rc=$?
+done
 if [ "$rc" -ne 0 ]; then
   echo "---- JupyterLab log (tail) ----" >&2
   tail -n 40 "$work/lab.log" >&2

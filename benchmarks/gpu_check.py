@@ -1,0 +1,553 @@
+"""One run that checks labkit's GPU path and measures it: correctness, throughput, decode against the memory floor.
+
+1. Correctness - labkit greedy against transformers ``generate`` (float32: token for token; bfloat16: the
+   first position where the two disagree, see BF16_POLICY), and the Triton kernel against the torch path.
+2. Throughput - labkit continuous, labkit static and transformers' continuous batching (the engine behind
+   ``generate_batch``, with the best attention it has here) on the nano-vllm benchmark (256 requests, prompt
+   and output lengths uniform in 100..1024, random-weight Qwen2.5-0.5B shape, bfloat16, EOS ignored), then on
+   a ShareGPT-like workload. Output tokens per second of wall time, as nano-vllm counts them.
+3. Decode step time at batch 1, 8, 64 and 256 (800-token contexts) against the memory-bandwidth floor:
+   (weight bytes + KV bytes read per step) / the copy bandwidth measured in this run. CUDA graphs on and off.
+4. Utilisation - NVML's GPU utilisation, and model-bandwidth utilisation (bytes a step must read, over the
+   time it took, over the measured bandwidth), labkit static against continuous.
+5. Traces - a continuous and a static run of one workload, recorded with NVML samples on every StepReport,
+   to labkit/data/traces/gpu_{continuous,static}.json (the course's GPU notebook replays them).
+
+Everything goes to one JSON file (``--out``); a short table is printed last. ``--device cpu --quick`` runs the
+same script end to end on a CPU in well under a minute (tiny model, few requests, the kernel through Triton's
+interpreter), which is how CI keeps it working. Exit status 1 if a correctness check fails.
+
+Run: ``python benchmarks/gpu_check.py [--device cuda] [--quick] [--out gpu_check.json] [--traces DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on a CPU only through the interpreter
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from labkit import Engine, EngineConfig, SamplingParams, StepReport
+from labkit.models.random import random_model
+from labkit.runtime.runner import device_name, kv_bytes_per_block
+from labkit.serving.baselines import TransformersContinuous, padded_generate
+from labkit.serving.metrics import GpuMonitor, _nvml_handle
+from labkit.serving.workloads import WorkloadRequest, make_workload
+
+TRACE_DIR = Path(__file__).resolve().parent.parent / "labkit" / "data" / "traces"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+BF16_POLICY = (
+    "bfloat16 rounds differently from float32 (and transformers batches its matmuls differently), so greedy"
+    " outputs may part at a near-tie; the check passes if the median first-divergence position is at least"
+    " half the generated length"
+)
+TARGETS = {"continuous_vs_hf": 3.0, "nano_tokens_per_s": 17_700, "decode_256_floor_ratio": 2.0}
+
+
+class Settings:
+    """Sizes of one run: the full GPU check, or the quick CPU one."""
+
+    def __init__(self, device: torch.device, quick: bool) -> None:
+        self.device = device
+        self.quick = quick
+        if quick:
+            self.model = dict(arch="llama", size="tiny")
+            self.dtype = torch.float32
+            self.num_requests, self.lengths, self.sharegpt_max = 8, (16, 48), 48
+            self.decode_batches, self.decode_context, self.decode_steps = (1, 4), 64, 3
+            self.trace_requests, self.trace_max = 6, 32
+            self.parity_tokens, self.max_num_seqs, self.static_batch = 12, 8, 4
+            self.num_blocks, self.max_batch_tokens = 512, 256
+        else:
+            self.model = dict(arch="qwen2", size="qwen2.5-0.5b")
+            self.dtype = torch.bfloat16
+            self.num_requests, self.lengths, self.sharegpt_max = 256, (100, 1024), 1024
+            self.decode_batches, self.decode_context, self.decode_steps = (1, 8, 64, 256), 800, 20
+            self.trace_requests, self.trace_max = 48, 512
+            self.parity_tokens, self.max_num_seqs, self.static_batch = 32, 256, 64
+            self.num_blocks, self.max_batch_tokens = 40_000, 16_384  # 640K tokens of KV: the whole benchmark
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def release(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def engine_config(settings: Settings, policy: str = "continuous", **overrides: Any) -> EngineConfig:
+    static = policy == "static"
+    options: dict[str, Any] = dict(
+        device=settings.device.type,
+        block_size=16,
+        num_blocks=settings.num_blocks,
+        # A static batch prefills its padded prompts in one step.
+        max_batch_tokens=settings.static_batch * settings.lengths[1] if static else settings.max_batch_tokens,
+        max_num_seqs=settings.static_batch if static else settings.max_num_seqs,
+        policy=policy,
+    )
+    options.update(overrides)
+    return EngineConfig(**options)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads for the weights (tied embeddings once: the LM head reads the whole matrix)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    return kv_bytes_per_block(model, 1)
+
+
+def step_bytes(report: StepReport, weights: int, per_token: int) -> int:
+    """What a step must read at least: every weight once and the KV cache of every row's context."""
+    rows = report.scheduled + report.padding
+    return weights + per_token * sum(w.start + w.num_tokens for w in rows)
+
+
+def measure_bandwidth(device: torch.device, quick: bool) -> float:
+    """Bytes per second of one big device-to-device copy (read + write), best of a few."""
+    size = (64 if quick else 2048) * 2**20
+    source = torch.empty(size, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        start = time.perf_counter()
+        target.copy_(source)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    del source, target
+    release(device)
+    return 2 * size / best
+
+
+def requests_of(workload: list[WorkloadRequest]) -> tuple[list[list[int]], list[int]]:
+    return [list(w.prompt) for w in workload], [w.max_new_tokens for w in workload]
+
+
+@contextmanager
+def section(results: dict[str, Any], name: str, console: Console) -> Iterator[dict[str, Any]]:
+    """A part of the check: its results go under ``name``; an error is recorded, not raised, and the run goes on."""
+    part: dict[str, Any] = {}
+    results[name] = part
+    start = time.perf_counter()
+    console.print(f"[bold]{name}[/bold] ...")
+    try:
+        yield part
+    except Exception as error:  # one failing part must not lose the others' numbers
+        part["error"] = f"{type(error).__name__}: {error}"
+        part["traceback"] = traceback.format_exc()
+        console.print(f"  [red]{part['error']}[/red]")
+    part["seconds"] = round(time.perf_counter() - start, 2)
+
+
+class NvmlSampler:
+    """A step listener that writes NVML's current GPU utilisation into each StepReport (``gpu_util``)."""
+
+    def __init__(self, device: torch.device, min_interval: float = 0.02) -> None:
+        self.handle = _nvml_handle(device.index or 0) if device.type == "cuda" else None
+        self.min_interval = min_interval
+        self.last_time = 0.0
+        self.last_value: float | None = None
+
+    def __call__(self, report: StepReport) -> None:
+        if self.handle is None:
+            return
+        now = time.perf_counter()
+        if now - self.last_time >= self.min_interval:  # NVML averages over ~1/6 s anyway
+            import pynvml
+
+            self.last_value = float(pynvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+            self.last_time = now
+        report.gpu_util = self.last_value
+
+
+# ---------------------------------------------------------------------------------------------- 1. correctness
+def check_parity(settings: Settings, part: dict[str, Any]) -> bool:
+    """labkit greedy vs transformers generate on a few prompts, float32 then (on a GPU) bfloat16."""
+    rng = random.Random(0)
+    model = random_model("qwen2", "tiny", seed=3).to(settings.device)
+    prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(rng.randint(5, 40))] for _ in range(4)]
+    wanted = [settings.parity_tokens] * len(prompts)
+    ok = True
+    dtypes = [torch.float32] if settings.device.type == "cpu" else [torch.float32, torch.bfloat16]
+    for dtype in dtypes:
+        model = model.to(dtype)
+        expected = padded_generate(model, prompts, wanted, batch_size=1)
+        engine = Engine(model, engine_config(settings, max_num_seqs=4, num_blocks=64, max_batch_tokens=256))
+        got = [o.output_token_ids for o in engine.generate(prompts, SamplingParams(max_new_tokens=wanted[0]))]
+        divergence = [next((i for i, (a, b) in enumerate(zip(e, g, strict=True)) if a != b), len(e))
+                      for e, g in zip(expected, got, strict=True)]  # fmt: skip
+        name = str(dtype).removeprefix("torch.")
+        entry = {
+            "first_divergence": divergence,
+            "tokens": settings.parity_tokens,
+            "backend": engine.runner.attention_backend,
+        }
+        if dtype == torch.float32:
+            entry["passed"] = got == expected
+        else:
+            entry["policy"] = BF16_POLICY
+            entry["passed"] = statistics.median(divergence) >= settings.parity_tokens / 2
+        part[name] = entry
+        ok &= entry["passed"] or dtype != torch.float32  # bf16 is reported, float32 must hold
+        del engine
+    return ok
+
+
+def check_kernel(settings: Settings, part: dict[str, Any]) -> bool:
+    """The Triton kernel against the torch path on random mixed steps (GQA 1/4/7/8, head dims 64/128)."""
+    if not HAS_TRITON:
+        part["skipped"] = "triton is not installed"
+        return True
+    if settings.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        part["skipped"] = "on a CPU the kernel runs only under TRITON_INTERPRET=1 (pass --device cpu)"
+        return True
+    from labkit.runtime.attention import PagedKVCache, Segment, build_paged_batch, paged_attention_forward
+    from labkit.runtime.triton_attention import StepUploader, build_triton_batch, triton_attention_forward
+
+    layer = type("Layer", (), {"layer_idx": 0})()
+    device = settings.device
+    shapes = [(4, 64, 16, torch.float32), (7, 64, 16, torch.bfloat16)]
+    if not settings.quick:
+        shapes += [(1, 128, 32, torch.float16), (8, 128, 16, torch.bfloat16), (4, 64, 32, torch.float32)]
+    tolerance = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+    rng = random.Random(1)
+    ok = True
+    for group, head_dim, block_size, dtype in shapes:
+        longest = 40 if settings.quick else 900
+        specs = [(0, rng.randint(2, longest // 2)), (rng.randint(1, longest), 1), (rng.randint(1, longest), 7)]
+        specs += [(rng.randint(1, longest), 1) for _ in range(3 if settings.quick else 60)]
+        num_kv = 2
+        num_blocks = sum(-(-(c + n) // block_size) for c, n in specs) + 1
+        free = list(range(num_blocks))
+        rng.shuffle(free)
+        segments = [Segment(c, n, [free.pop() for _ in range(-(-(c + n) // block_size))]) for c, n in specs]
+        tokens = sum(n for _, n in specs)
+        reference = PagedKVCache(1, num_blocks, block_size, num_kv, head_dim, torch.float32, device)
+        cache = PagedKVCache(1, num_blocks, block_size, num_kv, head_dim, dtype, device)
+        cache.data.normal_()
+        reference.data.copy_(cache.data.float())
+        q = torch.randn(1, num_kv * group, tokens, head_dim, device=device).to(dtype)
+        k = torch.randn(1, num_kv, tokens, head_dim, device=device).to(dtype)
+        v = torch.randn(1, num_kv, tokens, head_dim, device=device).to(dtype)
+        batch = build_paged_batch(reference, segments, device)
+        expected, _ = paged_attention_forward(layer, q.float(), k.float(), v.float(), None, paged_batch=batch)
+        _, triton_batch, _ = build_triton_batch(cache, segments, [0] * tokens, [], StepUploader(device))
+        got, _ = triton_attention_forward(layer, q, k, v, None, paged_batch=triton_batch)
+        error = float((got.float() - expected).abs().max())
+        passed = error <= tolerance[dtype]
+        ok &= passed
+        name = f"group {group}, head_dim {head_dim}, block {block_size}, {str(dtype).removeprefix('torch.')}"
+        part[name] = {"max_abs_error": error, "tolerance": tolerance[dtype], "tokens": tokens, "passed": passed}
+    return ok
+
+
+# ---------------------------------------------------------------------------------------------- 2. throughput
+def run_labkit(model: torch.nn.Module, settings: Settings, workload: list[WorkloadRequest], policy: str) -> dict:
+    prompts, wanted = requests_of(workload)
+    engine = Engine(model, engine_config(settings, policy))
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in wanted]
+    engine.generate(prompts[:4], [SamplingParams(max_new_tokens=4, ignore_eos=True)] * 4)  # warm-up
+    reports: list[StepReport] = []
+    engine.step_listeners.append(reports.append)
+    with GpuMonitor() as gpu:
+        sync(settings.device)
+        start = time.perf_counter()
+        outputs = engine.generate(prompts, params)
+        wall = time.perf_counter() - start
+    if [len(o.output_token_ids) for o in outputs] != wanted:
+        raise RuntimeError(f"labkit {policy} did not generate the requested number of tokens")
+    weights, per_token = weight_bytes(model), kv_bytes_per_token(model)
+    decode_steps = [r for r in reports if r.num_prefill_tokens == 0]
+    result = {
+        "wall_s": wall,
+        "output_tokens": sum(wanted),
+        "tokens_per_s": sum(wanted) / wall,
+        "steps": len(reports),
+        "bytes_read": sum(step_bytes(r, weights, per_token) for r in reports),
+        "decode_bytes_per_s": sum(step_bytes(r, weights, per_token) for r in decode_steps)
+        / max(sum(r.duration for r in decode_steps), 1e-9),
+        "gpu_util_percent": gpu.utilization,
+        "peak_memory_bytes": gpu.peak_memory_bytes,
+        "attention_backend": engine.runner.attention_backend,
+        "cuda_graphs": engine.runner.use_cuda_graph,
+        "graph_steps": engine.runner.graphs.num_replays if engine.runner.graphs is not None else 0,
+    }
+    del engine
+    release(settings.device)
+    return result
+
+
+def best_hf_attention() -> str:
+    return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "sdpa"
+
+
+def run_transformers(model: torch.nn.Module, settings: Settings, workload: list[WorkloadRequest]) -> dict:
+    prompts, wanted = requests_of(workload)
+    attention = best_hf_attention()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(attention)
+    try:
+        # transformers' paged|sdpa builds a dense (query x key) mask per step: keep its token budget modest.
+        with TransformersContinuous(
+            model,
+            block_size=16,
+            num_blocks=settings.num_blocks,
+            max_batch_tokens=2048,
+            max_num_seqs=settings.max_num_seqs,
+        ) as hf:
+            hf.generate(prompts[:4], [4] * 4)  # warm-up
+            with GpuMonitor() as gpu:
+                start = time.perf_counter()
+                outputs = hf.generate(prompts, wanted)
+                wall = time.perf_counter() - start
+    finally:
+        model.set_attn_implementation(previous)
+    if [len(o) for o in outputs] != wanted:
+        raise RuntimeError("transformers did not generate the requested number of tokens")
+    release(settings.device)
+    return {
+        "wall_s": wall,
+        "output_tokens": sum(wanted),
+        "tokens_per_s": sum(wanted) / wall,
+        "attention": f"paged|{attention}",
+        "gpu_util_percent": gpu.utilization,
+        "peak_memory_bytes": gpu.peak_memory_bytes,
+    }
+
+
+def throughput(model: torch.nn.Module, settings: Settings, workload: list[WorkloadRequest], part: dict) -> None:
+    runs: dict[str, Callable[[], dict]] = {
+        "labkit continuous": lambda: run_labkit(model, settings, workload, "continuous"),
+        "labkit static": lambda: run_labkit(model, settings, workload, "static"),
+        "transformers generate_batch": lambda: run_transformers(model, settings, workload),
+    }
+    prompts, wanted = requests_of(workload)
+    part["workload"] = {
+        "requests": len(workload),
+        "prompt_tokens": sum(map(len, prompts)),
+        "output_tokens": sum(wanted),
+    }
+    for name, run in runs.items():
+        try:
+            part[name] = run()
+        except Exception as error:  # e.g. the baseline failing on this machine: keep labkit's numbers
+            part[name] = {"error": f"{type(error).__name__}: {error}"}
+
+
+# ---------------------------------------------------------------------------------------------- 3. decode floor
+def decode_floor(model: torch.nn.Module, settings: Settings, bandwidth: float, part: dict) -> None:
+    """Mean decode step time with every request at ``decode_context`` tokens, against the bandwidth floor."""
+    weights, per_token = weight_bytes(model), kv_bytes_per_token(model)
+    rng = random.Random(2)
+    vocab = model.config.vocab_size
+    graph_modes = [False, True] if settings.device.type == "cuda" and HAS_TRITON else [False]
+    for graphs in graph_modes:
+        engine = Engine(
+            model, engine_config(settings, max_num_seqs=max(settings.decode_batches), use_cuda_graph=graphs)
+        )
+        for batch in settings.decode_batches:
+            params = SamplingParams(max_new_tokens=settings.decode_steps + 8, ignore_eos=True)
+            ids = [
+                engine.add_request([rng.randrange(3, vocab) for _ in range(settings.decode_context)], params)
+                for _ in range(batch)
+            ]
+            while True:  # prefill everything, then one untimed decode step
+                report = engine.step()
+                if report.num_prefill_tokens == 0:
+                    break
+            times, contexts = [], []
+            for _ in range(settings.decode_steps):
+                start = time.perf_counter()
+                report = engine.step()  # ends by reading the sampled tokens: the step is done
+                times.append(time.perf_counter() - start)
+                contexts.append(sum(w.start + 1 for w in report.scheduled))
+            for request_id in ids:
+                engine.abort(request_id)
+            engine.step()  # reports the aborts
+            step = statistics.median(times)
+            floor = (weights + per_token * statistics.mean(contexts)) / bandwidth
+            part[f"batch {batch}, graphs {'on' if graphs else 'off'}"] = {
+                "step_ms": step * 1e3,
+                "floor_ms": floor * 1e3,
+                "x_floor": step / floor,
+                "tokens_per_s": batch / step,
+            }
+        del engine
+        release(settings.device)
+
+
+# ---------------------------------------------------------------------------------------------- 5. traces
+def record_traces(model: torch.nn.Module, settings: Settings, directory: Path, part: dict) -> None:
+    from labkit.viz import record
+
+    workload = make_workload(
+        "sharegpt-like", settings.trace_requests, seed=5, vocab_size=model.config.vocab_size, special_ids=(0, 1, 2),
+        max_len=settings.trace_max,
+    )  # fmt: skip
+    prompts, wanted = requests_of(workload)
+    directory.mkdir(parents=True, exist_ok=True)
+    for policy in ("continuous", "static"):
+        engine = Engine(model, engine_config(settings, policy, max_num_seqs=min(32, settings.max_num_seqs)))
+        engine.step_listeners.append(NvmlSampler(settings.device))
+        recorder = record(engine)
+        engine.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in wanted])
+        recorder.meta["model"] = f"random-weight {settings.model['size']} ({settings.model['arch']}), {settings.dtype}"
+        path = recorder.save(directory / f"gpu_{policy}.json")
+        samples = [r.gpu_util for r in recorder.reports if r.gpu_util is not None]
+        part[policy] = {
+            "path": str(path),
+            "bytes": path.stat().st_size,
+            "steps": len(recorder.reports),
+            "gpu_util_samples": len(samples),
+            "mean_gpu_util": statistics.mean(samples) if samples else None,
+        }
+        del engine
+        release(settings.device)
+
+
+# ---------------------------------------------------------------------------------------------- main
+def summary_table(results: dict[str, Any], bandwidth: float) -> tuple[Table, list[str]]:
+    table = Table(title="gpu_check summary")
+    for column in ("what", "value", "target"):
+        table.add_column(column, justify="left" if column == "what" else "right")
+    notes: list[str] = []
+    correctness = results.get("correctness", {})
+    for name in ("float32", "bfloat16"):
+        entry = correctness.get("parity", {}).get(name)
+        if entry:
+            table.add_row(
+                f"parity {name} (first divergence)",
+                str(entry["first_divergence"]),
+                "pass" if entry["passed"] else "FAIL",
+            )
+    kernel = correctness.get("kernel", {})
+    errors = [v["max_abs_error"] for v in kernel.values() if isinstance(v, dict) and "max_abs_error" in v]
+    if errors:
+        passed = all(v["passed"] for v in kernel.values() if isinstance(v, dict) and "passed" in v)
+        table.add_row("Triton kernel vs torch (max error)", f"{max(errors):.2e}", "pass" if passed else "FAIL")
+    for workload in ("nano-vllm", "sharegpt-like"):
+        part = results.get(f"throughput {workload}", {})
+        rates = {k: v.get("tokens_per_s") for k, v in part.items() if isinstance(v, dict) and "tokens_per_s" in v}
+        for name, rate in rates.items():
+            target = ""
+            if workload == "nano-vllm" and name == "labkit continuous":
+                target = f">= {TARGETS['nano_tokens_per_s']:,}"
+            table.add_row(f"{workload}: {name} tok/s", f"{rate:,.0f}", target)
+        for name in ("labkit continuous", "labkit static"):
+            entry = part.get(name, {})
+            if "decode_bytes_per_s" in entry:
+                table.add_row(f"{workload}: {name} MBU (decode)", f"{entry['decode_bytes_per_s'] / bandwidth:.0%}", "")
+        hf = rates.get("transformers generate_batch")
+        if hf and rates.get("labkit continuous"):
+            ratio = rates["labkit continuous"] / hf
+            table.add_row(
+                f"{workload}: continuous / transformers", f"{ratio:.2f}x", f">= {TARGETS['continuous_vs_hf']}x"
+            )
+    for name, entry in results.get("decode floor", {}).items():
+        if isinstance(entry, dict) and "x_floor" in entry:
+            target = f"<= {TARGETS['decode_256_floor_ratio']}x" if name.startswith("batch 256") else ""
+            table.add_row(f"decode {name}: ms (x floor)", f"{entry['step_ms']:.2f} ({entry['x_floor']:.2f}x)", target)
+    for name, part in results.items():
+        if isinstance(part, dict) and "error" in part:
+            notes.append(f"{name}: {part['error']}")
+    return table, notes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cuda or cpu")
+    parser.add_argument("--quick", action="store_true", help="tiny model and workloads (the CPU check in CI)")
+    parser.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="where the JSON results go")
+    parser.add_argument(
+        "--traces",
+        type=Path,
+        default=None,
+        help="trace directory (default: labkit/data/traces on CUDA, next to --out otherwise)",
+    )
+    args = parser.parse_args()
+
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    settings = Settings(device, args.quick)
+    traces = args.traces or (TRACE_DIR if device.type == "cuda" else args.out.parent)
+    console = Console(width=120)
+    if device.type == "cpu":
+        torch.set_num_threads(min(4, torch.get_num_threads()))
+    results: dict[str, Any] = {
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "transformers": importlib.import_module("transformers").__version__,
+        "triton": importlib.import_module("triton").__version__ if HAS_TRITON else None,
+        "quick": args.quick,
+        "targets": TARGETS,
+    }
+    console.print(f"gpu_check on {results['device']}: torch {results['torch']}, triton {results['triton']}")
+    ok = True
+    with section(results, "correctness", console) as part:
+        part["parity"], part["kernel"] = {}, {}
+        ok &= check_parity(settings, part["parity"])
+        ok &= check_kernel(settings, part["kernel"])
+    bandwidth = float("nan")
+    with section(results, "bandwidth", console) as part:
+        bandwidth = measure_bandwidth(device, args.quick)
+        part["bytes_per_s"] = bandwidth
+    model = random_model(settings.model["arch"], settings.model["size"], seed=0, dtype=settings.dtype).to(device)
+    results["model"] = {**settings.model, "dtype": str(settings.dtype), "weight_bytes": weight_bytes(model),
+                        "kv_bytes_per_token": kv_bytes_per_token(model)}  # fmt: skip
+    vocab, special = model.config.vocab_size, (0, 1, 2)
+    workloads = {
+        "nano-vllm": make_workload(
+            "uniform", settings.num_requests, seed=0, vocab_size=vocab, special_ids=special,
+            prompt_len=settings.lengths, output_len=settings.lengths,
+        ),
+        "sharegpt-like": make_workload(
+            "sharegpt-like", settings.num_requests, seed=1, vocab_size=vocab, special_ids=special,
+            max_len=settings.sharegpt_max,
+        ),
+    }  # fmt: skip
+    for name, workload in workloads.items():
+        with section(results, f"throughput {name}", console) as part:
+            throughput(model, settings, workload, part)
+    with section(results, "decode floor", console) as part:
+        decode_floor(model, settings, bandwidth, part)
+    with section(results, "traces", console) as part:
+        record_traces(model, settings, traces, part)
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2, default=str))
+    table, notes = summary_table(results, bandwidth)
+    for note in notes:
+        console.print(f"[red]error[/red] {note}")
+    console.print(f"results: {args.out}")
+    console.print(table)
+    if not ok:
+        console.print("[red]a correctness check failed[/red]")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

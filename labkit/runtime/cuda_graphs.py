@@ -1,0 +1,158 @@
+"""CUDA graphs for decode-only steps: one recorded launch sequence per batch-size bucket.
+
+A decode step of a 0.5B model launches a few hundred small kernels, and launching them one by one
+from Python takes longer than running them: the host, not the GPU's memory, sets the pace. A CUDA
+graph records the launches of one forward pass once and replays them with a single call.
+
+A graph replays exactly what it recorded: the same kernels, the same grid sizes, the same memory
+addresses. So every input lives in a *static buffer* whose address never changes (token ids,
+positions, slot mapping, context lengths, block tables), and each step copies its values in before
+the replay. Everything a graph bakes in must depend only on its key, here the batch size:
+
+* the batch is padded up to the next bucket (1, 2, 4, 8, then every 8); a padded row gets slot -1
+  (the store kernel skips it) and a context of 0 keys (attention writes zeros for it);
+* the grid of the attention kernel is the bucket size, and the number of key tiles each program walks
+  is read from ``seq_lens`` on the device, so a graph captured while every context was short replays
+  correctly once they are long. (transformers once replayed a graph captured for one maximum length at
+  another and lost half its accuracy; tests/test_cuda_graphs.py checks exactly this case.)
+* the block-table buffer is as wide as the longest request the model allows, so no context outgrows it.
+
+Prefill steps and batches larger than the largest bucket run eagerly. Sampling runs outside the graph,
+on the logits it leaves in its output buffer. Graphs are captured largest first into one shared memory
+pool (a smaller graph reuses the larger one's memory), after one eager warm-up run per bucket that
+compiles the Triton kernels and lets cuBLAS choose its algorithms.
+
+On a CPU (tests under Triton's interpreter) there is nothing to capture: a "replay" calls the forward
+on the same static buffers, which checks the padding and the buffer bookkeeping, everything but the
+capture itself.
+"""
+
+from __future__ import annotations
+
+from array import array
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
+
+import torch
+
+from labkit.runtime.attention import PagedKVCache, Segment
+from labkit.runtime.triton_attention import TritonBatch
+
+Forward = Callable[[torch.Tensor, TritonBatch, int], torch.Tensor]  # (input ids, batch, logits_to_keep) -> logits
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to ``max_batch`` (which is always the last bucket)."""
+    sizes = [size for size in (1, 2, 4) if size < max_batch]
+    sizes += list(range(8, max_batch, 8))
+    return [*sizes, max_batch]
+
+
+class DecodeGraphs:
+    """Captured decode steps of one model over one KV cache, for every bucket up to ``max_batch`` requests.
+
+    ``max_blocks_per_seq`` is the block-table width: enough blocks for the model's longest request.
+    """
+
+    def __init__(self, forward: Forward, cache: PagedKVCache, max_batch: int, max_blocks_per_seq: int) -> None:
+        device = cache.data.device
+        self.forward = forward
+        self.cache = cache
+        self.buckets = bucket_sizes(max_batch)
+        self.max_batch = max_batch
+        self.width = max_blocks_per_seq
+        self.captured = device.type == "cuda"
+        # Static buffers. header = token ids | positions | slots | context lengths, max_batch each.
+        self.header = torch.zeros(4 * max_batch, dtype=torch.int32, device=device)
+        self.header[2 * max_batch : 3 * max_batch] = -1  # warm-up and capture store nothing
+        self.block_tables = torch.zeros((max_batch, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        pin = self.captured
+        self.host_header = torch.zeros(4 * max_batch, dtype=torch.int32, pin_memory=pin)
+        self.host_tables = torch.zeros(max_batch * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.captured else None
+        self.num_replays = 0  # decode steps served by a graph (benchmarks and tests read it)
+        for size in reversed(self.buckets):
+            self._capture(size)
+
+    def _inputs(self, size: int) -> tuple[torch.Tensor, TritonBatch]:
+        """Views of the static buffers for a batch of ``size`` rows (the same addresses on every call)."""
+        ids, positions, slots, seq_lens = self.header.view(4, self.max_batch)[:, :size]
+        batch = TritonBatch(
+            cache=self.cache,
+            slot_mapping=slots,
+            position_ids=positions,
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=seq_lens,
+            block_tables=self.block_tables[:size],
+            max_query_len=1,
+        )
+        return ids[None], batch
+
+    def _capture(self, size: int) -> None:
+        ids, batch = self._inputs(size)
+        self.outputs[size] = self.forward(ids, batch, 0)  # warm-up: compiles kernels, picks GEMM algorithms
+        if not self.captured:
+            return
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[size] = self.forward(ids, batch, 0)
+        self.graphs[size] = graph
+
+    def can_run(self, segments: Sequence[Segment], block_size: int) -> bool:
+        """A decode-only step (one token per segment) that fits a bucket and the block-table width."""
+        if len(segments) > self.max_batch:
+            return False
+        longest = 0
+        for segment in segments:
+            if segment.num_tokens != 1:
+                return False
+            longest = max(longest, segment.start + 1)
+        return -(-longest // block_size) <= self.width
+
+    def run(self, token_ids: list[int], segments: Sequence[Segment]) -> torch.Tensor:
+        """Copy the step into the static buffers, replay its bucket's graph; return (len(segments), vocab) logits.
+
+        Two host-to-device copies: the header (4 x max_batch ints) and the used corner of the block tables.
+        """
+        n = len(segments)
+        size = self.buckets[bisect_left(self.buckets, n)]
+        block_size = self.cache.block_size
+        positions, slots, seq_lens = [], [], []
+        for start, _, table, writes_cache in segments:
+            positions.append(start)
+            if writes_cache:
+                slots.append(table[start // block_size] * block_size + start % block_size)
+                seq_lens.append(start + 1)
+            else:  # a static batch's padding row: stores nothing, sees its cached context
+                slots.append(-1)
+                seq_lens.append(start)
+        width = max(1, -(-max(seq_lens) // block_size))
+        flat_tables: list[int] = []
+        for (_, _, table, _), seq_len in zip(segments, seq_lens, strict=True):
+            used = -(-seq_len // block_size)
+            flat_tables += table[:used]
+            flat_tables += [0] * (width - used)
+        # Every row of the bucket is rewritten; padded rows get token 0 at position 0, no slot, no context.
+        pad = [0] * (size - n)
+        rows = array("i", token_ids)
+        rows.extend(pad)
+        for values, fill in ((positions, 0), (slots, -1), (seq_lens, 0)):
+            rows.extend(values)
+            rows.extend([fill] * len(pad))
+        header = self.host_header.view(4, self.max_batch)[:, :size]
+        header.copy_(torch.frombuffer(rows, dtype=torch.int32).view(4, size))
+        tables = self.host_tables[: n * width].view(n, width)
+        tables.copy_(torch.frombuffer(array("i", flat_tables), dtype=torch.int32).view(n, width))
+        self.header.copy_(self.host_header, non_blocking=True)
+        self.block_tables[:n, :width].copy_(tables, non_blocking=True)
+        self.num_replays += 1
+        if self.captured:
+            self.graphs[size].replay()
+        else:
+            ids, batch = self._inputs(size)
+            self.outputs[size] = self.forward(ids, batch, 0)
+        return self.outputs[size][:n]

@@ -1,0 +1,427 @@
+"""Paged attention in Triton: one kernel launch per layer for any mix of prefill chunks and decodes.
+
+The plain-torch path (labkit.runtime.attention) groups a step's segments by kind and gathers each
+group's context into a padded copy. On a GPU that copy, and the dozens of small torch calls around it,
+cost more than the attention itself. Here one *varlen* kernel reads keys and values straight from the
+cache blocks, driven by three small tensors per step:
+
+* ``query_start_loc`` (N + 1): request ``s``'s query rows are ``query_start_loc[s] .. query_start_loc[s+1]``
+  of the packed step (a prompt chunk has many, a decode one);
+* ``seq_lens`` (N): how many keys request ``s`` attends to, cached ones and its own new ones;
+* ``block_tables`` (N, W): request ``s``'s ``b``-th block is ``block_tables[s, b]``.
+
+A query row of request ``s`` sits at position ``seq_lens[s] - q_len + i`` and sees every key up to it
+(causal masking offset by the context already cached), and no further back than a sliding window.
+
+Each program owns one *query tile* of one request and one KV head. The query heads that share that KV
+head (grouped-query attention) are packed into the rows of one matrix, ``BLOCK_M = BLOCK_Q x GROUP``
+rows, so every key tile is loaded once for all of them. Key tiles of ``TILE`` positions walk the
+context; each position finds its physical block through the block table, so any block size works.
+The softmax is computed online in fp32 (running maximum and sum), and the scores never leave the chip.
+The loop bounds come from ``seq_lens`` in device memory, never from Python: a CUDA graph captured at one
+context length replays correctly at any other (labkit.runtime.cuda_graphs).
+
+A second, tiny kernel stores the step's new keys and values through the slot mapping; a slot of -1 (a
+padded row of a CUDA graph's batch) is skipped.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from transformers import AttentionInterface
+
+from labkit.runtime.attention import PagedKVCache, Segment
+
+TRITON_ATTENTION_NAME = "labkit_triton"
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    stride_key_token,
+    stride_key_head,
+    stride_value_token,
+    stride_value_head,
+    stride_cache_head,
+    stride_cache_slot,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+):
+    """Program (token, KV head): copy one head's key and value row of one token into its cache slot."""
+    token = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # a padded row: nothing to store
+        return
+    d = tl.arange(0, HEAD_PAD)
+    mask = d < HEAD_DIM
+    cache_offset = head * stride_cache_head + slot * stride_cache_slot + d
+    key = tl.load(key_ptr + token * stride_key_token + head * stride_key_head + d, mask=mask)
+    tl.store(key_cache_ptr + cache_offset, key, mask=mask)
+    value = tl.load(value_ptr + token * stride_value_token + head * stride_value_head + d, mask=mask)
+    tl.store(value_cache_ptr + cache_offset, value, mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_seqs"])  # one compiled kernel for every batch size
+def _paged_attention_kernel(
+    out_ptr,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    scale_log2,
+    num_seqs,
+    stride_query_token,
+    stride_query_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cache_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_block_table,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DECODE_ONLY: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Program (query tile, KV head): attention of up to BLOCK_Q query rows x GROUP heads over their context."""
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    if DECODE_ONLY:  # one row per request: program = request
+        seq = pid
+        q_tile = 0
+    else:
+        # Request s's tiles start at query_start_loc[s] // BLOCK_Q + s: at least one tile per request, and
+        # enough for its rows whatever their alignment (the grid has T // BLOCK_Q + N programs). Binary search.
+        lo = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= pid:
+                lo = mid + 1
+            else:
+                hi = mid
+        seq = lo - 1
+        q_tile = pid - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
+    if q_tile * BLOCK_Q >= q_len:  # a spare program of a short request
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len  # keys cached before this step's rows
+
+    # Row m of the tile: query row q_tile * BLOCK_Q + m // GROUP, query head kv_head * GROUP + m % GROUP.
+    rows = tl.arange(0, BLOCK_M)
+    q_local = q_tile * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows // GROUP < BLOCK_Q) & (q_local < q_len)
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD_DIM
+    q_offset = (q_begin + q_local).to(tl.int64)[:, None] * stride_query_token + head[:, None] * stride_query_head
+    q = tl.load(query_ptr + q_offset + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    position = context + q_local  # each row's position; it sees keys <= position
+
+    # Keys any row of the tile may see: [first, end).
+    end = tl.minimum(seq_len, context + (q_tile + 1) * BLOCK_Q)
+    first = 0
+    if WINDOW > 0:
+        first = tl.maximum(context + q_tile * BLOCK_Q - WINDOW + 1, 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    cache_head = kv_head.to(tl.int64) * stride_cache_head
+    for tile in range(first // TILE, tl.cdiv(end, TILE)):
+        j = tile * TILE + tl.arange(0, TILE)
+        j_ok = j < end
+        block = tl.load(block_tables_ptr + seq * stride_block_table + j // BLOCK_SIZE, mask=j_ok, other=0)
+        kv_offset = cache_head + block.to(tl.int64) * stride_cache_block + (j % BLOCK_SIZE) * stride_cache_slot
+        k = tl.load(key_cache_ptr + kv_offset[None, :] + d[:, None], mask=j_ok[None, :] & d_ok[:, None], other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        scores = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # (BLOCK_M, TILE), log2 units
+        visible = j_ok[None, :] & (j[None, :] <= position[:, None])
+        if WINDOW > 0:
+            visible = visible & (j[None, :] > position[:, None] - WINDOW)
+        scores = tl.where(visible, scores, float("-inf"))
+        # Online softmax: rescale what was summed so far to the new running maximum.
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(value_cache_ptr + kv_offset[:, None] + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_FP32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a row with no keys (a padded row) gets zeros
+    out_offset = (q_begin + q_local).to(tl.int64)[:, None] * stride_out_token + head[:, None] * stride_out_head
+    tl.store(out_ptr + out_offset + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` (T, KV, D; any strides, last one 1) into the caches at ``slot_mapping`` (T,).
+
+    The caches are one layer's (KV, blocks, block_size, D) halves of a PagedKVCache; slot -1 is skipped.
+    """
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _check_last_dim(key=key, value=value, key_cache=key_cache, value_cache=value_cache)
+    _store_kv_kernel[(num_tokens, num_kv_heads)](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(2),
+        HEAD_DIM=head_dim,
+        HEAD_PAD=triton.next_power_of_2(head_dim),
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of the packed ``query`` rows (T, H, D) over their requests' paged contexts -> (T, H, D).
+
+    ``max_query_len`` (a Python int the caller knows without asking the device) picks the variant:
+    1 means every request decodes one token, and the grid is one program per request and KV head.
+    Everything the launch bakes in (grid, tile sizes, variant) depends only on T, N and the shapes,
+    which is what lets a CUDA graph capture it once per batch size.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads, _, block_size, _ = key_cache.shape
+    num_seqs = seq_lens.shape[0]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not split evenly over {num_kv_heads} KV heads")
+    _check_last_dim(query=query, key_cache=key_cache, value_cache=value_cache)
+    if out is None:
+        out = query.new_empty((num_tokens, num_heads, head_dim))
+    if num_tokens == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_m = max(16, triton.next_power_of_2(group))  # tl.dot wants at least 16 rows
+    block_q = block_m // group
+    decode_only = max_query_len == 1
+    grid = (num_seqs if decode_only else num_tokens // block_q + num_seqs, num_kv_heads)
+    head_pad = max(16, triton.next_power_of_2(head_dim))
+    _paged_attention_kernel[grid](
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale * LOG2E,
+        num_seqs,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_tables.stride(0),
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        TILE=64 if head_pad <= 128 else 32,
+        WINDOW=sliding_window or 0,
+        DECODE_ONLY=decode_only,
+        # fp32 runs are parity checks: full-precision dots, not TF32.
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        # Triton's CPU interpreter multiplies bfloat16 matrices wrongly: it gets them in float32.
+        DOT_FP32=query.dtype == torch.bfloat16 and query.device.type == "cpu",
+    )
+    return out
+
+
+def _check_last_dim(**tensors: torch.Tensor) -> None:
+    for name, tensor in tensors.items():
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride along its last (head) dimension")
+
+
+# ---------------------------------------------------------------------------------------------- the runtime side
+@dataclass
+class TritonBatch:
+    """One step's layout for the Triton kernels: what every layer reads, built once per step.
+
+    All index tensors are int32 views of one upload (see :class:`StepUploader`). A padding segment of a
+    static batch (``writes_cache=False``) stores nothing (slot -1) and attends to its cached positions
+    only; its rows are thrown away, so its causal offset need not match the torch path's.
+    """
+
+    cache: PagedKVCache
+    slot_mapping: torch.Tensor  # (T,)
+    position_ids: torch.Tensor  # (T,)
+    query_start_loc: torch.Tensor  # (N + 1,)
+    seq_lens: torch.Tensor  # (N,)
+    block_tables: torch.Tensor  # (N, W)
+    max_query_len: int
+
+
+class StepUploader:
+    """Moves a step's int32 metadata to the device in one copy, through one reusable pinned buffer.
+
+    A step's index lists are packed into one ``array("i")``, copied into page-locked host memory and sent
+    with one asynchronous copy; every tensor the step needs is a view of the result. The buffer is reused
+    (each step ends by reading its sampled tokens, so the previous copy has finished) and grows by doubling.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = torch.empty(0, dtype=torch.int32)
+
+    def upload(self, values: array) -> torch.Tensor:
+        host = torch.frombuffer(values, dtype=torch.int32)
+        if self.device.type == "cpu":
+            return host
+        if self.pinned.numel() < len(values):
+            self.pinned = torch.empty(max(len(values), 2 * self.pinned.numel()), dtype=torch.int32, pin_memory=True)
+        staged = self.pinned[: len(values)]
+        staged.copy_(host)
+        return staged.to(self.device, non_blocking=True)
+
+
+def build_triton_batch(
+    cache: PagedKVCache,
+    segments: Sequence[Segment],
+    token_ids: list[int],
+    sample_rows: list[int],
+    uploader: StepUploader,
+) -> tuple[torch.Tensor, TritonBatch, torch.Tensor | int]:
+    """(input ids (1, T), the step's TritonBatch, logits_to_keep) from the step's segments, in one upload."""
+    block_size = cache.block_size
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    tables: list[Sequence[int]] = []
+    for start, num_tokens, table, writes_cache in segments:
+        end = start + num_tokens
+        positions.extend(range(start, end))
+        query_start_loc.append(len(positions))
+        if not writes_cache:
+            slots.extend([-1] * num_tokens)
+            seq_lens.append(start)
+            tables.append(table)
+            continue
+        seq_lens.append(end)
+        tables.append(table)
+        position = start
+        while position < end:  # one run of consecutive slots per block
+            block, offset = divmod(position, block_size)
+            run = min(block_size - offset, end - position)
+            first = table[block] * block_size + offset
+            slots.extend(range(first, first + run))
+            position += run
+    width = max(1, -(-max(seq_lens) // block_size))
+    flat_tables: list[int] = []
+    for table, seq_len in zip(tables, seq_lens, strict=True):
+        used = -(-seq_len // block_size)
+        flat_tables += table[:used]
+        flat_tables += [0] * (width - used)
+    # 0 keeps every row: a pure decode step samples from all of them, and then needs no index.
+    keep_all = len(sample_rows) == len(token_ids)
+    keep_rows = [] if keep_all else sample_rows
+    values = array("i", token_ids)
+    for part in (positions, slots, query_start_loc, seq_lens, keep_rows, flat_tables):
+        values.extend(part)
+    data = uploader.upload(values)
+    pieces = data.split([len(token_ids)] * 3 + [len(query_start_loc), len(seq_lens), len(keep_rows), len(flat_tables)])
+    input_ids, position_ids, slot_mapping, query_start, lens, keep, block_tables = pieces
+    batch = TritonBatch(
+        cache=cache,
+        slot_mapping=slot_mapping,
+        position_ids=position_ids,
+        query_start_loc=query_start,
+        seq_lens=lens,
+        block_tables=block_tables.view(len(seq_lens), width),
+        max_query_len=max(query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))),
+    )
+    return input_ids[None], batch, 0 if keep_all else keep
+
+
+def triton_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    paged_batch: TritonBatch | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention hook: query (1, H, T, D), key/value (1, KV, T, D) -> (1, T, H, D), two launches."""
+    if not isinstance(paged_batch, TritonBatch):
+        raise ValueError(f"the {TRITON_ATTENTION_NAME!r} attention runs inside labkit's ModelRunner")
+    head_dim = query.shape[-1]
+    key_cache, value_cache = paged_batch.cache.parts[module.layer_idx]
+    store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), key_cache, value_cache, paged_batch.slot_mapping)
+    out = paged_attention(
+        query[0].transpose(0, 1),
+        key_cache,
+        value_cache,
+        paged_batch.query_start_loc,
+        paged_batch.seq_lens,
+        paged_batch.block_tables,
+        head_dim**-0.5 if scaling is None else scaling,
+        max_query_len=paged_batch.max_query_len,
+        sliding_window=sliding_window,
+    )
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(TRITON_ATTENTION_NAME, triton_attention_forward)

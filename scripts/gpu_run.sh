@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The one command to run on a machine with an NVIDIA GPU: the GPU tests, then benchmarks/gpu_check.py.
+# Everything lands under $OUT (default ./gpu_results): test log, results JSON, summary table, traces.
+# Budget: the tests take 1-2 minutes (Triton compiles each kernel variant once), gpu_check.py about 6 on an H200.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu_results}"
+PYTHON="${PYTHON:-python}"
+mkdir -p "$OUT"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+"$PYTHON" -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)" \
+    > "$OUT/versions.txt" 2>&1
+timeout 180 "$PYTHON" -m pytest -q -p no:cacheprovider -x tests/test_triton_attention.py tests/test_cuda_graphs.py \
+    > "$OUT/gpu_tests.txt" 2>&1
+tests=$?
+timeout 420 "$PYTHON" benchmarks/gpu_check.py --device cuda --out "$OUT/gpu_check.json" --traces "$OUT/traces" \
+    > "$OUT/gpu_check.txt" 2>&1
+check=$?
+tail -n 5 "$OUT/gpu_tests.txt"
+tail -n 40 "$OUT/gpu_check.txt"
+echo "gpu tests: exit $tests; gpu_check: exit $check; results in $OUT"
+exit $(( tests != 0 || check != 0 ))

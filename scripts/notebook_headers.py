@@ -1,0 +1,133 @@
+"""Write the Colab badge and the install cell of every course and exercise notebook from pyproject.toml.
+
+The repository URL lives in one place, ``[project.urls] Repository`` in pyproject.toml. Every notebook in
+notebooks/ and exercises/ gets, from it:
+
+* the Colab badge: the line of the first (markdown) cell that starts with ``[![Open In Colab]``, placed
+  right after the title when it is missing;
+* the install cell: the code cell tagged ``install``, second in the notebook, which installs labkit only
+  where it is missing (Colab) and turns on Colab's widget manager.
+
+    python scripts/notebook_headers.py           # rewrite the notebooks that disagree
+    python scripts/notebook_headers.py --check   # exit 1, listing the notebooks that disagree
+
+Publishing under another URL is then a one-line change in pyproject.toml and one run of this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import nbformat
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK_DIRS = ("notebooks", "exercises")
+BADGE_PREFIX = "[![Open In Colab]"
+INSTALL_TAG = "install"
+INSTALL_SOURCE = """\
+# Installs labkit when it is missing (Colab); a no-op locally and on Binder.
+import importlib.util
+import sys
+
+if importlib.util.find_spec("labkit") is None:
+    %pip install -q "labkit-batching[widgets] @ git+{repository}"
+if "google.colab" in sys.modules:
+    from google.colab import output
+
+    output.enable_custom_widget_manager()"""
+
+
+def repository_url(root: Path = ROOT) -> str:
+    """``[project.urls] Repository`` of pyproject.toml, without a trailing slash."""
+    with open(root / "pyproject.toml", "rb") as file:
+        project = tomllib.load(file)["project"]
+    try:
+        return project["urls"]["Repository"].rstrip("/")
+    except KeyError:
+        raise SystemExit("pyproject.toml has no [project.urls] Repository") from None
+
+
+def notebook_paths(root: Path = ROOT) -> list[Path]:
+    """Every notebook the course ships: notebooks/*.ipynb and exercises/*.ipynb, sorted."""
+    return sorted(path for folder in NOTEBOOK_DIRS for path in (root / folder).glob("*.ipynb"))
+
+
+def badge_line(repository: str, relative_path: str) -> str:
+    """The "Open In Colab" badge of the notebook at ``relative_path`` (from the repository root)."""
+    if not repository.startswith("https://github.com/"):
+        raise ValueError(f"Colab opens notebooks from GitHub; the repository URL is {repository!r}")
+    slug = repository.removeprefix("https://github.com/")
+    return (
+        "[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
+        f"(https://colab.research.google.com/github/{slug}/blob/main/{relative_path})"
+    )
+
+
+def install_source(repository: str) -> str:
+    return INSTALL_SOURCE.format(repository=repository)
+
+
+def with_headers(nb: nbformat.NotebookNode, repository: str, relative_path: str) -> nbformat.NotebookNode:
+    """``nb`` with its badge line and install cell as they should be (changed in place, and returned)."""
+    if not nb.cells or nb.cells[0].cell_type != "markdown":
+        raise ValueError(f"{relative_path}: the first cell must be markdown (the title and the badge)")
+    badge = badge_line(repository, relative_path)
+    lines = nb.cells[0].source.splitlines()
+    badges = [i for i, line in enumerate(lines) if line.startswith(BADGE_PREFIX)]
+    if badges:
+        lines[badges[0]] = badge
+    else:
+        lines[1:1] = ["", badge]
+    nb.cells[0].source = "\n".join(lines)
+
+    install = [i for i, cell in enumerate(nb.cells) if INSTALL_TAG in cell.get("metadata", {}).get("tags", [])]
+    if install:
+        cell = nb.cells.pop(install[0])
+        cell.source = install_source(repository)
+    else:
+        cell = nbformat.v4.new_code_cell(install_source(repository), metadata={"tags": [INSTALL_TAG]})
+    nb.cells.insert(1, cell)
+    return nb
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a notebook disagrees")
+    args = parser.parse_args(argv)
+    repository = repository_url()
+    stale = []
+    for path in notebook_paths():
+        relative = path.relative_to(ROOT).as_posix()
+        text = path.read_text()
+        nb = nbformat.reads(text, as_version=4)
+        try:
+            with_headers(nb, repository, relative)
+        except ValueError as error:
+            print(error, file=sys.stderr)
+            stale.append(relative)
+            continue
+        updated = nbformat.writes(nb) + "\n"
+        if nbformat.reads(updated, as_version=4) != nbformat.reads(text, as_version=4):
+            stale.append(relative)
+            if not args.check:
+                path.write_text(updated)
+    if args.check and stale:
+        print("notebooks whose badge or install cell disagree with pyproject.toml:", file=sys.stderr)
+        for relative in stale:
+            print(f"  {relative}", file=sys.stderr)
+        print("fix: python scripts/notebook_headers.py", file=sys.stderr)
+        return 1
+    for relative in stale if not args.check else ():
+        print(f"updated {relative}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

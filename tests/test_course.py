@@ -1,0 +1,260 @@
+"""The course as a product: every notebook's shape, the headers written from pyproject, the Binder environment,
+the HTML rendering, the lab command, and (marked ``notebooks``) every notebook run again with other parameters.
+
+Notebooks are found by globbing notebooks/ and exercises/, so a new notebook is checked the day it lands.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import notebook_headers  # noqa: E402
+
+COURSE = sorted((ROOT / "notebooks").glob("*.ipynb"))
+EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
+ALL = COURSE + EXERCISES
+REQUIRED_PARAMETERS = ("model_name", "device", "num_requests", "block_size", "seed")
+MAX_NOTEBOOK_BYTES = 300 * 1024
+
+
+def _ids(paths: list[Path]) -> list[str]:
+    return [p.relative_to(ROOT).as_posix() for p in paths]
+
+
+def _read(path: Path) -> nbformat.NotebookNode:
+    return nbformat.read(path, as_version=4)
+
+
+def _tagged(nb: nbformat.NotebookNode, tag: str) -> list[nbformat.NotebookNode]:
+    return [c for c in nb.cells if tag in c.get("metadata", {}).get("tags", [])]
+
+
+def _parameters(nb: nbformat.NotebookNode) -> dict[str, object]:
+    """The names the ``parameters`` cell assigns, with their literal values."""
+    [cell] = _tagged(nb, "parameters")
+    values = {}
+    for node in ast.parse(cell.source).body:
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    values[target.id] = ast.literal_eval(node.value)
+    return values
+
+
+def _markdown(nb: nbformat.NotebookNode) -> str:
+    return "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+
+
+def test_there_are_course_notebooks() -> None:
+    names = [p.stem for p in COURSE]
+    assert "00_start_here" in names
+    assert all(re.fullmatch(r"\d\d_[a-z0-9_]+", name) for name in names), names
+
+
+# ---------------------------------------------------------------------------------------------- headers
+def test_headers_agree_with_pyproject() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "notebook_headers.py"), "--check"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_headers_follow_the_repository_url() -> None:
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# 99 · Title\n\nText.")])
+    notebook_headers.with_headers(nb, "https://github.com/someone/fork", "notebooks/99_x.ipynb")
+    badge = nb.cells[0].source.splitlines()[2]
+    assert badge.endswith("(https://colab.research.google.com/github/someone/fork/blob/main/notebooks/99_x.ipynb)")
+    assert nb.cells[1].metadata.tags == ["install"]
+    assert "git+https://github.com/someone/fork" in nb.cells[1].source
+    # Idempotent: a second pass changes nothing; another URL changes both lines.
+    again = nbformat.from_dict(json.loads(json.dumps(nb)))
+    assert notebook_headers.with_headers(again, "https://github.com/someone/fork", "notebooks/99_x.ipynb") == nb
+    notebook_headers.with_headers(again, "https://github.com/other/repo", "notebooks/99_x.ipynb")
+    assert "other/repo" in again.cells[0].source and "other/repo" in again.cells[1].source
+    assert len(again.cells) == 2
+
+
+def test_headers_read_the_project(tmp_path: Path) -> None:
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "x"\n[project.urls]\nRepository = "https://github.com/a/b"\n'
+    )
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# 00 · T")])
+    nbformat.write(nb, tmp_path / "notebooks" / "00_t.ipynb")
+    assert notebook_headers.repository_url(tmp_path) == "https://github.com/a/b"
+    assert notebook_headers.notebook_paths(tmp_path) == [tmp_path / "notebooks" / "00_t.ipynb"]
+    with pytest.raises(ValueError, match="GitHub"):
+        notebook_headers.badge_line("https://gitlab.com/a/b", "notebooks/00_t.ipynb")
+
+
+# ---------------------------------------------------------------------------------------------- every notebook
+@pytest.mark.parametrize("path", ALL, ids=_ids(ALL))
+def test_notebook_header_cells(path: Path) -> None:
+    nb = _read(path)
+    relative = path.relative_to(ROOT).as_posix()
+    repository = notebook_headers.repository_url()
+    first = nb.cells[0]
+    assert first.cell_type == "markdown" and first.source.startswith("# "), "the first cell is the title"
+    assert notebook_headers.badge_line(repository, relative) in first.source.splitlines()
+    assert nb.cells[1].metadata.get("tags") == ["install"]
+    assert nb.cells[1].source == notebook_headers.install_source(repository)
+    assert 'if importlib.util.find_spec("labkit") is None:' in nb.cells[1].source  # guarded: a no-op locally
+    parameters = _tagged(nb, "parameters")
+    assert len(parameters) == 1 and nb.cells.index(parameters[0]) == 2, "the third cell is the parameters cell"
+    values = _parameters(nb)
+    missing = [name for name in REQUIRED_PARAMETERS if name not in values]
+    assert not missing, f"the parameters cell lacks {missing}"
+    assert values["model_name"] == "auto" and values["device"] == "auto"
+    assert path.stat().st_size < MAX_NOTEBOOK_BYTES
+    assert "widgets" not in nb.metadata, "committed notebooks carry no widget state"
+
+
+@pytest.mark.parametrize("path", COURSE, ids=_ids(COURSE))
+def test_course_notebook_lesson_shape(path: Path) -> None:
+    nb = _read(path)
+    text = _markdown(nb)
+    assert re.match(rf"# {path.stem[:2]} · \S", nb.cells[0].source), "title: '# NN · Title'"
+    assert "## Learning goals" in text
+    goals = text.split("## Learning goals", 1)[1].lstrip().splitlines()
+    assert goals and goals[0].startswith("- "), "learning goals are a bullet list"
+    assert "**Predict, then run:**" in text
+    assert "## Summary" in text
+    questions = text.split("## Questions", 1)
+    assert len(questions) == 2, "a '## Questions' section"
+    assert re.search(r"<details><summary>Answers?\b[^<]*</summary>", questions[1]) and "</details>" in questions[1]
+    assert re.search(r"exercises/(ex\d+_\w+)?", text), "a pointer to the matching exercise (exercises/exN_...)"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.get("execution_count") for c in code), "committed executed: every code cell has run"
+    errors = [o for c in code for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, "committed outputs contain an error"
+
+
+# ---------------------------------------------------------------------------------------------- binder
+PYPI_TO_CONDA = {"torch": "pytorch-cpu"}
+
+
+def _lower_bound(spec: str) -> tuple[str, tuple[int, ...] | None]:
+    match = re.fullmatch(r"\s*([A-Za-z0-9_.\-]+)\s*(?:(>=|==|=)\s*([0-9][0-9.]*))?\s*", spec)
+    assert match, f"cannot read requirement {spec!r}"
+    name, _, version = match.groups()
+    return name.lower(), tuple(int(x) for x in version.split(".")) if version else None
+
+
+def test_binder_environment_matches_pyproject() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = list(project["dependencies"])
+    for extra in ("widgets", "notebooks"):
+        wanted += [d for d in project["optional-dependencies"][extra] if not d.startswith(project["name"])]
+    lines = (ROOT / "binder" / "environment.yml").read_text().splitlines()
+    start = lines.index("dependencies:")
+    have = dict(_lower_bound(line.strip()[2:]) for line in lines[start + 1 :] if line.strip().startswith("- "))
+    for requirement in wanted:
+        name, bound = _lower_bound(requirement)
+        conda = PYPI_TO_CONDA.get(name, name)
+        assert conda in have, f"binder/environment.yml lacks {conda} ({requirement} in pyproject.toml)"
+        assert have[conda] is not None and have[conda] >= bound, (
+            f"binder/environment.yml's {conda} lower bound {have[conda]} is below pyproject's {requirement}"
+        )
+    python = have["python"]
+    assert python is not None and python >= (3, 10)
+    post_build = (ROOT / "binder" / "postBuild").read_text()
+    assert "--no-deps" in post_build and "-e ." in post_build
+
+
+def test_binder_badge_opens_the_start_notebook() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "mybinder.org/v2/gh/labkit-course/labkit/HEAD?urlpath=lab/tree/notebooks/00_start_here.ipynb" in readme
+    assert (ROOT / "notebooks" / "00_start_here.ipynb").exists()
+
+
+# ---------------------------------------------------------------------------------------------- lab command
+def test_lab_command_line() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "DISPLAY"}
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "lab.sh"), "--print-command", "--port=8899"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    command = result.stdout.split()
+    assert command[:3] == [".venv/bin/jupyter", "lab", "notebooks/00_start_here.ipynb"], command
+    assert "--ip=127.0.0.1" in command and "--no-browser" in command
+    assert command[-1] == "--port=8899", "extra arguments go to jupyter lab"
+    assert (ROOT / command[2]).exists()
+
+
+# ---------------------------------------------------------------------------------------------- HTML rendering
+def _figure_outputs(nb: nbformat.NotebookNode) -> int:
+    """Outputs that must render as a plotly figure: plotly JSON, and widget views with their static figure."""
+    count = 0
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            data = output.get("data", {})
+            if "application/vnd.plotly.v1+json" in data:
+                count += 1
+            elif "application/vnd.jupyter.widget-view+json" in data:
+                assert "plotly-graph-div" in data.get("text/html", ""), "a widget view without its static figure"
+                count += 1
+    return count
+
+
+def test_site_renders_every_notebook_with_its_figures(tmp_path: Path) -> None:
+    import build_site
+
+    pages = build_site.build(tmp_path)
+    assert (tmp_path / "index.html").exists()
+    index = (tmp_path / "index.html").read_text()
+    assert [p.relative_to(tmp_path).with_suffix(".ipynb") for p in pages] == [p.relative_to(ROOT) for p in ALL]
+    for path, page in zip(ALL, pages, strict=True):
+        html = page.read_text()
+        expected = _figure_outputs(_read(path))
+        if path in COURSE:
+            assert expected >= 1, f"{path.name} shows no figure"
+        assert html.count('class="plotly-graph-div"') >= expected, f"{page.name}: a figure did not render"
+        assert "application/vnd.jupyter.widget-view+json" not in html
+        assert page.relative_to(tmp_path).as_posix() in index
+
+
+# ---------------------------------------------------------------------------------------------- papermill
+def _other_parameters(nb: nbformat.NotebookNode) -> dict[str, object]:
+    """Non-default values for the shared knobs: fewer requests, block size 8, seed 1."""
+    values = _parameters(nb)
+    return {"num_requests": max(1, int(values["num_requests"]) // 2), "block_size": 8, "seed": 1}
+
+
+@pytest.mark.notebooks
+@pytest.mark.parametrize("path", ALL, ids=_ids(ALL))
+def test_notebook_runs_with_other_parameters(path: Path, tmp_path: Path) -> None:
+    papermill = pytest.importorskip("papermill")
+    nb = _read(path)
+    parameters = _other_parameters(nb)
+    executed = papermill.execute_notebook(
+        str(path),
+        str(tmp_path / path.name),
+        parameters=parameters,
+        cwd=str(path.parent),
+        kernel_name="python3",
+        progress_bar=False,
+        execution_timeout=300,
+    )
+    injected = _tagged(executed, "injected-parameters")
+    assert injected and all(f"{name} = {value!r}" in injected[0].source for name, value in parameters.items())
+    errors = [o for c in executed.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors

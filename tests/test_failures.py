@@ -1,0 +1,409 @@
+"""A failed step leaves the engine as it was before the step, and the next step redoes the work.
+
+Each test runs a workload twice: undisturbed, and with exceptions raised at chosen calls (the runner
+before or after its forward pass, the sampler, the allocator while the scheduler plans, a step
+listener, a KeyboardInterrupt in ``generate``). After every failure the engine's whole state must be
+what it was before the step; at the end the reports (times aside) and the outputs must be the
+undisturbed run's, token for token, and every block must be free. Also here: what ``generate`` leaves
+behind when it refuses prompts or is interrupted, what counts as a prompt, static batches of prompts
+longer than the token budget, and ``max_num_seqs`` following a small budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from conftest import Boom, engine_state
+
+from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel
+
+
+def without_times(report: Any) -> dict:
+    data = dataclasses.asdict(report)
+    del data["start_time"], data["duration"]
+    return data
+
+
+class Faults:
+    """Makes chosen calls of some methods raise: call ``k`` (counted over all wrapped methods) fails if ``k`` is drawn.
+
+    ``wrap(obj, name, after=...)`` replaces ``obj.name`` on the instance; ``after=True`` raises once the real
+    call has done its work (the forward pass wrote keys and values, the allocator moved blocks).
+    """
+
+    def __init__(self, rate: float, seed: int, error: type[BaseException] = Boom) -> None:
+        self.rng = random.Random(seed)
+        self.rate = rate
+        self.error = error
+        self.raised = 0
+
+    def wrap(self, obj: Any, name: str, *, after: bool = False) -> None:
+        real = getattr(obj, name)
+
+        def maybe_failing(*args: Any, **kwargs: Any) -> Any:
+            fail = self.rng.random() < self.rate
+            if fail and not after:
+                self.raised += 1
+                raise self.error(name)
+            result = real(*args, **kwargs)
+            if fail:
+                self.raised += 1
+                raise self.error(name)
+            return result
+
+        setattr(obj, name, maybe_failing)
+
+
+def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[list, list, int]:
+    """Step a workload to the end, retrying every failed step; check each failure left no trace.
+
+    Returns the outputs, the reports (as a first listener saw them) and the number of failed steps.
+    """
+    reports: list = []
+    engine.step_listeners.insert(0, reports.append)
+    ids = [engine.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+    failures = 0
+    for _ in range(10_000):
+        if not engine.has_unfinished():
+            break
+        before = engine_state(engine)
+        num_reports = len(reports)
+        try:
+            engine.step()
+        except Boom:
+            failures += 1
+            if len(reports) == num_reports:  # failed before the commit: nothing happened
+                assert engine_state(engine) == before
+    assert not engine.has_unfinished()
+    assert engine.num_free_blocks == engine.num_blocks
+    assert engine.allocator.block_tables == {} and set(engine.allocator.ref_counts) == {0}
+    outputs = [(engine.requests[i].output_token_ids, engine.requests[i].finish_reason) for i in ids]
+    return outputs, [without_times(r) for r in reports], failures
+
+
+def inject(engine: Engine, faults: Faults, where: str) -> None:
+    if where == "runner":  # before the model runs, and after it wrote the step's keys and values
+        faults.wrap(engine.runner, "execute")
+        faults.wrap(engine.runner, "execute", after=True)
+    elif where == "allocator":  # inside schedule(): a plugged-in allocator that fails mid-plan
+        faults.wrap(engine.allocator, "allocate", after=True)
+        faults.wrap(engine.allocator, "allocate")
+        faults.wrap(engine.allocator, "free", after=True)
+    elif where == "sampler":
+        sampler = SimpleNamespace(call=engine.runner.sampler)
+        faults.wrap(sampler, "call")
+        engine.runner.sampler = sampler.call
+    elif where == "forward":  # the forward pass ran (keys and values written), then something raised
+        faults.wrap(engine.runner, "_forward", after=True)
+    elif where == "listener":
+
+        def listener(report: Any) -> None:
+            if faults.rng.random() < faults.rate:
+                faults.raised += 1
+                raise Boom("listener")
+
+        engine.step_listeners.append(listener)
+
+
+# ---------------------------------------------------------------------------------------------------- simulated
+
+
+def sim_workload(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(2, 1000) for _ in range(rng.randint(1, 30))] for _ in range(12)]
+    params = [SamplingParams(max_new_tokens=rng.randint(1, 20)) for _ in prompts]
+    return prompts, params
+
+
+@pytest.mark.parametrize("where", ["runner", "allocator", "listener"])
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+@pytest.mark.parametrize("seed", range(6))
+def test_failed_steps_change_nothing_simulated(policy, where, seed):
+    # 14 blocks of 4 slots: any one request fits (at most 30 + 20 - 1 = 49 slots), twelve of them do not,
+    # so continuous batching preempts. A budget of 12 tokens chunks most prompts (static included).
+    config = EngineConfig(policy=policy, block_size=4, num_blocks=14, max_batch_tokens=12, max_num_seqs=4)
+    model = SimulatedModel(mean_output_len=8)
+    prompts, params = sim_workload(seed)
+    expected, expected_reports, _ = run(Engine(model, config), prompts, params)
+    engine = Engine(model, config)
+    faults = Faults(rate=0.3, seed=seed)
+    inject(engine, faults, where)
+    outputs, reports, failures = run(engine, prompts, params)
+    assert failures == faults.raised > 0
+    assert outputs == expected
+    assert reports == expected_reports
+    if policy == "continuous" and seed == 0:
+        assert any(r["preempted"] for r in reports), "the workload should preempt"
+
+
+def test_the_workload_preempts_and_chunks_static_prompts():
+    # The fault-injection runs above are only as strong as their workload: it must preempt and chunk.
+    prompts, params = sim_workload(0)
+    reports = {}
+    for policy in ("continuous", "static"):
+        config = EngineConfig(policy=policy, block_size=4, num_blocks=14, max_batch_tokens=12, max_num_seqs=4)
+        _, reports[policy], _ = run(Engine(SimulatedModel(mean_output_len=8), config), prompts, params)
+    assert sum(len(r["preempted"]) for r in reports["continuous"]) > 0
+    assert any(w.is_prefill and w.start > 0 for r in reports["static"] for w in r["scheduled"]), "no chunked prefill"
+
+
+def test_a_failure_in_the_commit_check_is_rolled_back():
+    # A runner that returns the wrong number of tokens is refused by update() before it changes anything.
+    engine = Engine(SimulatedModel(), EngineConfig(block_size=4, num_blocks=8))
+    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=3))
+    before = engine_state(engine)
+    real = engine.runner.execute
+    engine.runner.execute = lambda output, allocator: [*real(output, allocator), 7]
+    with pytest.raises(ValueError, match="the step samples 1 tokens, but the model returned 2"):
+        engine.step()
+    assert engine_state(engine) == before
+    engine.runner.execute = real
+    assert engine.step().generated
+
+
+def test_an_abort_between_a_failed_step_and_its_retry():
+    # A step fails while the engine still holds a request aborted before it: the abort is reported by the
+    # step that finally succeeds, exactly once.
+    engine = Engine(SimulatedModel(), EngineConfig(block_size=4, num_blocks=8, max_num_seqs=2))
+    a = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=4))
+    b = engine.add_request([8, 9], SamplingParams(max_new_tokens=4))
+    engine.step()
+    engine.abort(a)
+    faults = Faults(rate=1.0, seed=0)
+    inject(engine, faults, "runner")
+    with pytest.raises(Boom):
+        engine.step()
+    faults.rate = 0.0
+    report = engine.step()
+    assert report.finished == {a: "abort"}
+    assert engine.step().finished == {}
+    assert engine.requests[b].output_token_ids
+
+
+# ---------------------------------------------------------------------------------------------------- a real model
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model) -> Any:
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None  # only max_new_tokens stops a request
+    return model
+
+
+def model_workload(model: Any, seed: int, sampled: bool) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(2, 40))] for _ in range(6)]
+    params = [
+        SamplingParams(
+            max_new_tokens=rng.randint(4, 12), temperature=0.9 if sampled else 0.0, seed=i if sampled else None
+        )
+        for i in range(len(prompts))
+    ]
+    return prompts, params
+
+
+@pytest.mark.parametrize("where", ["runner", "forward", "sampler", "listener"])
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_failed_steps_change_nothing_with_a_real_model(model, policy, where, sampled):
+    # 10 blocks of 8 slots: each request fits (at most 40 + 12 - 1 = 51 slots), six of them do not.
+    config = EngineConfig(
+        policy=policy, block_size=8, num_blocks=10, max_batch_tokens=24, max_num_seqs=4, dtype=torch.float32
+    )
+    prompts, params = model_workload(model, seed=1, sampled=sampled)
+    expected, expected_reports, _ = run(Engine(model, config), prompts, params)
+    engine = Engine(model, config)
+    faults = Faults(rate=0.3, seed=2)
+    inject(engine, faults, where)
+    outputs, reports, failures = run(engine, prompts, params)
+    assert failures == faults.raised > 0
+    assert outputs == expected
+    assert reports == expected_reports
+    if policy == "continuous":
+        assert any(r["preempted"] for r in reports), "the workload should preempt"
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+@pytest.mark.parametrize("where", ["listener", "runner"])
+def test_an_interrupt_during_generate_leaves_no_request_and_no_block(model, policy, where):
+    config = EngineConfig(policy=policy, block_size=8, num_blocks=10, max_batch_tokens=24, max_num_seqs=4)
+    prompts, params = model_workload(model, seed=3, sampled=True)
+    expected = Engine(model, config).generate(prompts, params)
+    engine = Engine(model, config)
+    steps = []
+
+    def interrupt(report: Any) -> None:
+        steps.append(report.step)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+
+    if where == "listener":
+        engine.step_listeners.append(interrupt)
+    else:
+        real = engine.runner.execute
+
+        def execute(output: Any, allocator: Any) -> list[int]:
+            steps.append(output.step)
+            if len(steps) == 3:
+                raise KeyboardInterrupt
+            return real(output, allocator)
+
+        engine.runner.execute = execute
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompts, params)
+    assert engine.requests == {}
+    assert not engine.has_unfinished()
+    assert engine.scheduler.running == [] and not engine.scheduler.waiting
+    assert engine.num_free_blocks == engine.num_blocks
+    # The interrupted requests had been seen running: the next report says they were aborted.
+    reports: list = []
+    engine.step_listeners[:] = [reports.append]
+    again = engine.generate(prompts, params)
+    assert [o.output_token_ids for o in again] == [o.output_token_ids for o in expected]
+    assert set(reports[0].finished.values()) == {"abort"}
+    assert len(reports[0].finished) == len(prompts)  # all were unfinished at step 3
+    assert engine.num_free_blocks == engine.num_blocks and engine.requests == {}
+
+
+# ---------------------------------------------------------------------------------------------------- generate
+
+
+def test_a_refused_generate_leaves_no_trace():
+    engine = Engine(SimulatedModel(vocab_size=100), EngineConfig(block_size=4, num_blocks=8))
+    rid = engine.add_request([5, 6], SamplingParams(max_new_tokens=3))
+    engine.step()
+    before = engine_state(engine)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate([[5, 6], [7, 8], [5, 500]], SamplingParams(max_new_tokens=2))
+    assert engine_state(engine) == before
+    report = engine.step()
+    assert report.finished == {} and report.admitted == []
+    assert set(engine.requests) == {rid}
+
+
+class CharTokenizer:
+    """One token per character: enough to tell one prompt from six."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [2 + ord(c) % 90 for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def test_a_string_is_one_prompt_and_a_flat_list_of_ints_is_refused():
+    engine = Engine(SimulatedModel(vocab_size=100), EngineConfig(block_size=4, num_blocks=16), CharTokenizer())
+    params = SamplingParams(max_new_tokens=3)
+    (single,) = engine.generate("ROMEO:", params)
+    (listed,) = engine.generate(["ROMEO:"], params)
+    assert single.prompt_token_ids == CharTokenizer().encode("ROMEO:") == listed.prompt_token_ids
+    assert single.output_token_ids == listed.output_token_ids
+    with pytest.raises(TypeError, match=r"flat list of ints; pass a list of prompts, e.g. \[\[5, 6, 7\]\]"):
+        engine.generate([5, 6, 7], params)
+    with pytest.raises(TypeError, match="prompts must be a list of prompts, got int"):
+        engine.generate(5, params)
+    assert engine.requests == {} and not engine.has_unfinished()
+
+
+# ---------------------------------------------------------------------------------------------------- policies
+
+
+def test_static_prefills_a_prompt_longer_than_the_budget_in_chunks():
+    # Budget 6. A (10 tokens) is longer than the budget: it forms a batch of its own, prefilled in chunks of
+    # 6 and 4 (the last samples), then decodes. B and C (2 and 3 tokens) then share a batch: padded to 3
+    # tokens each, 2 x 3 = 6 rows fit one step, one of them padding.
+    config = EngineConfig(policy="static", block_size=4, num_blocks=16, max_batch_tokens=6)
+    engine = Engine(SimulatedModel(), config)
+    a = engine.add_request(list(range(2, 12)), SamplingParams(max_new_tokens=2))
+    b = engine.add_request([2, 3], SamplingParams(max_new_tokens=1))
+    c = engine.add_request([2, 3, 4], SamplingParams(max_new_tokens=1))
+    reports = []
+    while engine.has_unfinished():
+        reports.append(engine.step())
+    scheduled = [[(w.request_id, w.start, w.num_tokens, w.token is not None) for w in r.scheduled] for r in reports]
+    assert scheduled == [
+        [(a, 0, 6, False)],
+        [(a, 6, 4, True)],
+        [(a, 10, 1, True)],
+        [(b, 0, 2, True), (c, 0, 3, True)],
+    ]
+    assert [r.admitted for r in reports] == [[a], [], [], [b, c]]
+    assert [[(w.request_id, w.start, w.num_tokens) for w in r.padding] for r in reports] == [[], [], [], [(b, 2, 1)]]
+    assert all(sum(w.num_tokens for w in r.scheduled + r.padding) <= 6 for r in reports)
+
+
+def test_both_policies_serve_prompts_three_times_the_budget(model):
+    budget = 16
+    rng = random.Random(4)
+    vocab = model.config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (3 * budget, 5, 3 * budget + 1, 2 * budget)]
+    references = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8)
+        references.append(out[0, len(prompt) :].tolist())
+    params = SamplingParams(max_new_tokens=8)
+    for policy in ("continuous", "static"):
+        config = EngineConfig(policy=policy, block_size=8, num_blocks=64, max_batch_tokens=budget, dtype=torch.float32)
+        outputs = Engine(model, config).generate(prompts, params)
+        assert [o.output_token_ids for o in outputs] == references, policy
+
+
+def test_max_num_seqs_follows_a_small_budget_unless_set():
+    assert EngineConfig().max_num_seqs == 64
+    assert EngineConfig(max_batch_tokens=8).max_num_seqs == 8
+    assert EngineConfig(max_batch_tokens=8, max_num_seqs=3).max_num_seqs == 3
+    assert "max_num_seqs=64" in repr(EngineConfig())
+    with pytest.raises(ValueError, match=r"max_num_seqs \(64\) must be <= max_batch_tokens \(8\)"):
+        EngineConfig(max_batch_tokens=8, max_num_seqs=64)
+    engine = Engine(SimulatedModel(), EngineConfig(block_size=4, num_blocks=16, max_batch_tokens=2))
+    outputs = engine.generate([[5, 6, 7]] * 3, SamplingParams(max_new_tokens=2))
+    assert all(o.finish_reason == "length" for o in outputs)
+
+
+def test_a_request_whose_blocks_a_failed_step_reused_is_recomputed(model):
+    # A step preempts to make room, the forward pass writes other requests' keys and values into the freed
+    # blocks, then fails. The rollback gives the victims their blocks back, but not their contents; the
+    # requests that wrote there are aborted before the retry, so the retry would have no reason to preempt.
+    # The victims must still be evicted and recomputed: their tokens are the undisturbed run's.
+    config = EngineConfig(block_size=8, num_blocks=10, max_batch_tokens=24, max_num_seqs=4, dtype=torch.float32)
+    prompts, params = model_workload(model, seed=1, sampled=False)
+    expected = [o.output_token_ids for o in Engine(model, config).generate(prompts, params)]
+    engine = Engine(model, config)
+    ids = [engine.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+    plans, real_execute, real_forward = [], engine.runner.execute, engine.runner._forward
+
+    def execute(output: Any, allocator: Any) -> list[int]:
+        plans.append(output)
+        return real_execute(output, allocator)
+
+    def forward(*args: Any) -> Any:
+        logits = real_forward(*args)
+        if plans[-1].preempted:
+            raise Boom("after the forward pass of a step that preempted")
+        return logits
+
+    engine.runner.execute, engine.runner._forward = execute, forward
+    with pytest.raises(Boom):
+        for _ in range(100):
+            engine.step()
+    engine.runner._forward = real_forward
+    failed = plans[-1]
+    victims = {r.request_id for r in failed.preempted}
+    writers = {c.request.request_id for c in failed.chunks} - victims
+    for request_id in writers:
+        engine.abort(request_id)
+    assert victims and writers
+    retry = engine.step()
+    assert retry.preempted == [r.request_id for r in failed.preempted]  # evicted first, as the failed step did
+    while engine.has_unfinished():
+        engine.step()
+    for request_id in victims:
+        assert engine.requests[request_id].output_token_ids == expected[ids.index(request_id)]
+    assert engine.num_free_blocks == engine.num_blocks

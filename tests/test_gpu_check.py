@@ -1,0 +1,36 @@
+"""benchmarks/gpu_check.py runs end to end on a CPU (``--device cpu --quick``) and writes what it promises."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from labkit import load_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+
+
+def test_quick_cpu_run(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # this checkout's labkit
+    command = [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "gpu_check summary" in done.stdout
+    results = json.loads(out.read_text())
+    errors = {name: part["error"] for name, part in results.items() if isinstance(part, dict) and "error" in part}
+    assert not errors
+    assert results["correctness"]["parity"]["float32"]["passed"]
+    for workload in ("nano-vllm", "sharegpt-like"):
+        part = results[f"throughput {workload}"]
+        for method in ("labkit continuous", "labkit static", "transformers generate_batch"):
+            assert part[method]["tokens_per_s"] > 0, (workload, method, part[method])
+    assert all(entry["x_floor"] > 0 for entry in results["decode floor"].values() if isinstance(entry, dict))
+    for policy in ("continuous", "static"):
+        reports, meta = load_trace(tmp_path / f"gpu_{policy}.json")
+        assert reports and meta["policy"] == policy

@@ -1,0 +1,336 @@
+"""What a new user trips over: each mistake gets one clear error that names what is wrong, or just works.
+
+Threads: torch runs on 1 thread.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from transformers import GenerationConfig, LlamaModel
+
+import labkit
+from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel, generate_batch, load_trace
+from labkit.cli import main
+from labkit.runtime.hf import _sampling_params
+from labkit.runtime.runner import CPU_CACHE_BYTES, cpu_cache_blocks, kv_bytes_per_block
+from labkit.viz import BlockMap, LiveThroughput, Recorder, Timeline, record
+
+torch.set_num_threads(1)
+
+GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("llama", max_position_embeddings=128)
+
+
+def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def sim_engine() -> Engine:
+    return Engine(SimulatedModel(), EngineConfig(block_size=4, num_blocks=32, max_batch_tokens=32, max_num_seqs=4))
+
+
+# ---------------------------------------------------------------------------------------------- import labkit
+def test_import_labkit_is_torch_free_and_reaches_every_subpackage():
+    code = """
+import sys
+import labkit
+assert "torch" not in sys.modules, "import labkit imported torch"
+assert callable(labkit.viz.BlockMap)
+assert labkit.serving.metrics.__name__ == "labkit.serving.metrics"
+assert callable(labkit.models.load) and callable(labkit.models.random_model)
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        labkit.serving.nothing_here  # noqa: B018
+
+
+# ---------------------------------------------------------------------------------------------- a shared model
+def test_a_second_engine_may_not_convert_a_model_another_engine_runs(tiny_model):
+    model = tiny_model("llama", max_position_embeddings=128)
+    first = Engine(model, EngineConfig(block_size=8, num_blocks=16, device="cpu"))
+    record(first)  # a recorder and its engine point at each other: only the cycle collector frees them
+    with pytest.raises(ValueError, match=r"another Engine as float32 on cpu; an Engine with bfloat16 on cpu"):
+        Engine(model, EngineConfig(block_size=8, num_blocks=16, device="cpu", dtype="bfloat16"))
+    assert next(model.parameters()).dtype == torch.float32  # refused before anything changed
+    # The same dtype, named or kept (None), converts nothing and may share the model.
+    second = Engine(model, EngineConfig(block_size=8, num_blocks=16, device="cpu", dtype="float32"))
+    third = Engine(model, EngineConfig(block_size=8, num_blocks=16, device="cpu"))
+    for engine in (first, second, third):
+        assert engine.generate([[5, 6, 7]], GREEDY)[0].output_token_ids == greedy_reference(model, [5, 6, 7], 6)
+    del first, second, third, engine
+    # Once no engine runs it, the model may be converted.
+    half = Engine(model, EngineConfig(block_size=8, num_blocks=16, device="cpu", dtype="bfloat16"))
+    assert next(model.parameters()).dtype == torch.bfloat16 == half.runner.cache.data.dtype
+    assert len(half.generate([[5, 6, 7]], GREEDY)[0].output_token_ids) == 6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_second_engine_may_not_move_a_model_another_engine_runs(tiny_model):
+    model = tiny_model("llama", max_position_embeddings=128)
+    first = Engine(model, EngineConfig(block_size=8, num_blocks=16, device="cpu"))
+    with pytest.raises(ValueError, match="another Engine as float32 on cpu"):
+        Engine(model, EngineConfig(block_size=8, num_blocks=16, device="cuda"))
+    assert next(model.parameters()).device.type == "cpu"
+    assert first.generate([[5, 6, 7]], GREEDY)[0].output_token_ids == greedy_reference(model, [5, 6, 7], 6)
+
+
+# ---------------------------------------------------------------------------------------------- what is a model
+def test_a_base_model_without_an_lm_head_is_refused_at_construction(model):
+    base = LlamaModel(model.config)
+    with pytest.raises(TypeError, match=r"LlamaModel has no LM head.*AutoModelForCausalLM"):
+        Engine(base, EngineConfig(num_blocks=4, device="cpu"))
+
+
+def test_load_of_a_folder_without_a_checkpoint_says_what_is_missing(tmp_path, model):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=rf"{empty}.*holds no checkpoint.*no config.json and no weights"):
+        labkit.models.load(empty, device="cpu")
+    weights_only = tmp_path / "weights-only"
+    model.save_pretrained(weights_only)  # no tokenizer saved next to it
+    with pytest.raises(ValueError, match=rf"{weights_only}.*holds no checkpoint: it has no tokenizer") as error:
+        labkit.models.load(weights_only, device="cpu")
+    assert "no config.json" not in str(error.value) and "no weights" not in str(error.value)
+
+
+# ---------------------------------------------------------------------------------------------- generate_batch
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("num_beams", 2),
+        ("repetition_penalty", 1.2),
+        ("min_new_tokens", 3),
+        ("no_repeat_ngram_size", 2),
+        ("length_penalty", 0.5),
+        ("num_return_sequences", 2),
+        ("min_p", 0.1),
+        ("suppress_tokens", [5]),
+    ],
+)
+def test_generate_batch_refuses_each_setting_it_does_not_implement(model, name, value):
+    config = GenerationConfig(max_new_tokens=3, do_sample=True, **{name: value})
+    with pytest.raises(ValueError, match=re.escape(f"sets {name}={value!r} (off: ")):
+        generate_batch(model, [[5, 6]], config)
+
+
+def test_generate_batch_accepts_those_settings_switched_off(model):
+    off = GenerationConfig(
+        max_new_tokens=4, num_beams=1, repetition_penalty=1.0, min_new_tokens=0, length_penalty=1.0,
+        no_repeat_ngram_size=0, num_return_sequences=1, eos_token_id=-1, num_blocks=16, block_size=8,
+    )  # fmt: skip
+    result = generate_batch(model, [[5, 6, 7]], off)["req_0"]
+    assert result.generated_tokens == greedy_reference(model, [5, 6, 7], 4)
+
+
+def test_generate_batch_follows_transformers_on_do_sample(model):
+    # do_sample unset or False is greedy whatever the temperature, as in model.generate.
+    hot_but_greedy = GenerationConfig(max_new_tokens=4, temperature=5.0, eos_token_id=-1, num_blocks=16)
+    assert generate_batch(model, [[5, 6, 7]], hot_but_greedy)["req_0"].generated_tokens == greedy_reference(
+        model, [5, 6, 7], 4
+    )
+    # do_sample with nothing else set samples as transformers does: temperature 1, top-k 50, top-p 1.
+    params = _sampling_params(GenerationConfig(do_sample=True), max_new_tokens=4)
+    assert (params.temperature, params.top_k, params.top_p) == (1.0, 50, 1.0)
+
+
+def test_generate_batch_wants_a_generation_config_not_a_dict(model):
+    with pytest.raises(TypeError, match="GenerationConfig, got dict"):
+        generate_batch(model, [[5, 6]], {"max_new_tokens": 3})
+    with pytest.raises(TypeError, match="continuous_batching_config"):
+        generate_batch(model, [[5, 6]], GenerationConfig(max_new_tokens=3), continuous_batching_config={})
+
+
+# ---------------------------------------------------------------------------------------------- trace files
+def good_trace(tmp_path, name: str = "good.json"):
+    engine = sim_engine()
+    recorder = record(engine)
+    engine.generate([[5, 6, 7, 8, 9], [10, 11]], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    return recorder.save(tmp_path / name)
+
+
+def broken_traces(tmp_path) -> dict[str, tuple[str, str]]:
+    """name -> (file content, the problem the error must name)."""
+    payload = json.loads(good_trace(tmp_path).read_text())
+    text = json.dumps(payload)
+    out_of_range = json.loads(text)
+    index, step = next((i, s) for i, s in enumerate(out_of_range["steps"]) if s["block_events"])
+    step["block_events"][0][1] = step["num_blocks"]
+    no_scheduled = json.loads(text)
+    del no_scheduled["steps"][1]["scheduled"]
+    bad_request = json.loads(text)
+    bad_request["meta"]["requests"]["0"] = {"prompt_tokens": 5}
+    return {
+        "empty": ("", "the file is empty"),
+        "truncated": (text[: len(text) // 2], r"not valid JSON \(truncated\?\)"),
+        "not json": ("step 1: request 0 admitted\n", "not valid JSON"),
+        "top-level list": ("[1, 2]", "expected a JSON object .* got an array"),
+        "no steps": (json.dumps({"version": 1, "meta": {}}), "'steps' must be a list"),
+        "missing field": (json.dumps(no_scheduled), "step 1: missing field 'scheduled'"),
+        "block id": (
+            json.dumps(out_of_range),
+            rf"step {index}: block id {step['num_blocks']} is outside the cache's blocks",
+        ),
+        "bad row": (
+            text.replace('"scheduled": [[', '"scheduled": [[[0], ', 1),
+            "step 0: each item of 'scheduled' must be \\[request_id, start",
+        ),
+        "bad request info": (json.dumps(bad_request), "meta 'requests' '0' must hold the numbers"),
+    }
+
+
+def test_each_broken_trace_gets_one_error_naming_the_file_and_the_problem(tmp_path):
+    for name, (content, problem) in broken_traces(tmp_path).items():
+        path = tmp_path / f"{name.replace(' ', '-')}.json"
+        path.write_text(content)
+        for read in (Recorder.load, BlockMap):
+            with pytest.raises(ValueError, match=rf"cannot read trace '{path}': {problem}") as error:
+                read(path)
+            one_error = error.value.__cause__ is None and (
+                error.value.__context__ is None or error.value.__suppress_context__
+            )
+            assert one_error, name  # no chained traceback
+    good = good_trace(tmp_path)
+    assert load_trace(good)[0] == Recorder.load(good).reports
+
+
+@pytest.mark.parametrize("widget", [Timeline, LiveThroughput])
+def test_widgets_given_several_runs_say_which_run_is_broken(tmp_path, widget):
+    good = good_trace(tmp_path)
+    broken = tmp_path / "broken.json"
+    broken.write_text("")
+    with pytest.raises(ValueError, match=rf"{widget.__name__} run 'static': cannot read trace '{broken}'"):
+        widget({"continuous": good, "static": broken})
+    with pytest.raises(TypeError, match=rf"{widget.__name__} run 'static': expected an Engine"):
+        widget({"continuous": good, "static": 42})
+
+
+# ---------------------------------------------------------------------------------------------- request values
+@pytest.mark.parametrize(
+    ("arrival_time", "error", "message"),
+    [
+        ("soon", TypeError, "arrival_time must be a number"),
+        (None, None, None),
+        (float("nan"), ValueError, "arrival_time must be a finite number, got nan"),
+        (float("inf"), ValueError, "arrival_time must be a finite number, got inf"),
+        (True, TypeError, "arrival_time must be a number"),
+    ],
+)
+def test_arrival_time_must_be_a_finite_number(arrival_time, error, message):
+    engine = sim_engine()
+    if error is None:
+        engine.add_request([5, 6], arrival_time=np.float32(0.25))
+        assert type(engine.requests[0].metrics.arrival_time) is float
+        return
+    with pytest.raises(error, match=message):
+        engine.add_request([5, 6], arrival_time=arrival_time)
+    assert not engine.requests and not engine.has_unfinished()
+
+
+def test_stop_token_ids_must_be_in_the_vocabulary(model):
+    engine = Engine(model, EngineConfig(num_blocks=8, device="cpu"))
+    for token in (1024, -1):
+        with pytest.raises(ValueError, match=rf"stop token id {token} is outside the vocabulary \[0, 1024\)"):
+            engine.add_request([5, 6], SamplingParams(stop_token_ids=[3, token]))
+    assert not engine.requests
+    engine.add_request([5, 6], SamplingParams(stop_token_ids=[0, 1023]))
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-45, 1e-300])
+def test_a_tiny_temperature_samples_the_greedy_tokens(model, temperature):
+    # Dividing raw logits by 1e-30 overflows to inf and the softmax to NaN; the limit is greedy.
+    engine = Engine(model, EngineConfig(block_size=8, num_blocks=16, device="cpu"))
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    params = [SamplingParams(max_new_tokens=6, temperature=temperature, seed=s, ignore_eos=True) for s in (0, 1)]
+    outputs = engine.generate(prompts, params)
+    assert [o.output_token_ids for o in outputs] == [greedy_reference(model, p, 6) for p in prompts]
+
+
+def test_negative_seeds_are_refused():
+    with pytest.raises(ValueError, match="seed must be >= 0"):
+        SamplingParams(seed=-1)
+    assert SamplingParams(seed=0).seed == 0
+
+
+@pytest.mark.parametrize("real", [float, np.float16, np.float32, np.float64, np.longdouble])
+def test_every_kind_of_real_number_is_accepted_alike(model, real):
+    params = SamplingParams(
+        max_new_tokens=np.int64(5), temperature=real(0.75), top_p=real(0.5), top_k=np.int32(7), seed=np.uint8(3)
+    )
+    assert (type(params.temperature), type(params.top_p)) == (float, float)
+    assert (type(params.max_new_tokens), type(params.top_k), type(params.seed)) == (int, int, int)
+    assert params == SamplingParams(max_new_tokens=5, temperature=float(real(0.75)), top_p=0.5, top_k=7, seed=3)
+    engine = Engine(model, EngineConfig(block_size=8, num_blocks=16, device="cpu"))
+    plain = SamplingParams(max_new_tokens=5, temperature=float(real(0.75)), top_p=0.5, top_k=7, seed=3)
+    sampled, expected = engine.generate([[5, 6, 7], [5, 6, 7]], [params, plain])
+    assert sampled.output_token_ids == expected.output_token_ids
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "message"),
+    [
+        ({"temperature": True}, TypeError, "temperature must be a real number, got bool"),
+        ({"temperature": np.bool_(True)}, TypeError, "temperature must be a real number"),
+        ({"top_p": np.float32("nan")}, ValueError, "top_p must be a number, got NaN"),
+        ({"temperature": np.float64("nan")}, ValueError, "temperature must be a number, got NaN"),
+        ({"temperature": float("inf")}, ValueError, "temperature must be a finite number"),
+        ({"seed": np.float64(3.0)}, TypeError, "seed must be an int"),
+    ],
+)
+def test_bools_nan_and_infinity_are_refused(fields, error, message):
+    with pytest.raises(error, match=message):
+        SamplingParams(**fields)
+
+
+# ---------------------------------------------------------------------------------------------- the command line
+def test_demo_refuses_a_negative_step_count(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--model", "sim", "--steps", "-1"])
+    assert exit_info.value.code == 2
+    assert "error: --steps must be >= 0, got -1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("count", ["0", "-1"])
+def test_demo_and_bench_give_one_message_for_a_bad_request_count(capsys, count):
+    messages = []
+    for command in ("demo", "bench"):
+        try:
+            code = main([command, "--model", "sim", "--num-requests", count])
+        except SystemExit as exit_info:
+            code = exit_info.code
+        assert code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        messages.append(err.split("error: ", 1)[1])
+    assert messages == [f"num_requests must be >= 1, got {count}"] * 2
+
+
+# ---------------------------------------------------------------------------------------------- the CPU budget
+def test_num_blocks_none_never_exceeds_the_cpu_budget(model):
+    per_token = kv_bytes_per_block(model, 1)
+    largest = CPU_CACHE_BYTES // per_token  # the biggest block that still fits, once
+    for block_size in (1, 16, 1000, largest // 3 + 1, largest):
+        blocks = cpu_cache_blocks(model, block_size)
+        assert blocks >= 1 and blocks * kv_bytes_per_block(model, block_size) <= CPU_CACHE_BYTES
+    with pytest.raises(ValueError, match=r"one KV-cache block of \d+ tokens takes 256 MiB, more than the 256 MiB"):
+        cpu_cache_blocks(model, largest + 1)
+    gc.collect()
+    with pytest.raises(ValueError, match="use a smaller block_size, or set num_blocks"):
+        Engine(model, EngineConfig(block_size=largest + 1, device="cpu"))

@@ -1,0 +1,198 @@
+"""The Triton paged-attention kernels against the plain-torch path, on random inputs.
+
+On CUDA the kernels run natively; elsewhere through Triton's interpreter, which must be switched on
+before triton is first imported (conftest.py sets TRITON_INTERPRET=1 on machines without an NVIDIA GPU;
+the line below covers running this file alone). Shapes stay small so that the interpreter finishes quickly.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from labkit import Engine, EngineConfig, SamplingParams
+from labkit.models.random import random_model
+from labkit.runtime import triton_attention
+from labkit.runtime.attention import PagedKVCache, Segment, build_paged_batch, paged_attention_forward
+from labkit.runtime.cuda_graphs import bucket_sizes
+from labkit.runtime.triton_attention import (
+    StepUploader,
+    build_triton_batch,
+    store_kv,
+    triton_attention_forward,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu" and type(triton_attention._paged_attention_kernel).__name__ != "InterpretedFunction":
+    pytest.skip("triton_attention was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+LAYER = SimpleNamespace(layer_idx=0)
+
+
+def random_step(rng: random.Random, specs: list[tuple[int, int]], block_size: int, num_blocks: int) -> list[Segment]:
+    """Segments for (cached tokens, new tokens) pairs, each over randomly chosen, disjoint blocks."""
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    segments = []
+    for cached, new in specs:
+        used = -(-(cached + new) // block_size)
+        segments.append(Segment(cached, new, [free.pop() for _ in range(used)]))
+    return segments
+
+
+def run_both(
+    specs: list[tuple[int, int]],
+    *,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    window: int | None = None,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, PagedKVCache, PagedKVCache]:
+    """The same step through the torch path (in float32) and the Triton kernels (in ``dtype``)."""
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    num_kv_heads = 2 if group < 8 else 1
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in specs) + 3
+    segments = random_step(rng, specs, block_size, num_blocks)
+    num_tokens = sum(n for _, n in specs)
+    query = torch.randn(1, num_kv_heads * group, num_tokens, head_dim, generator=generator)
+    key = torch.randn(1, num_kv_heads, num_tokens, head_dim, generator=generator)
+    value = torch.randn(1, num_kv_heads, num_tokens, head_dim, generator=generator)
+    reference_cache = PagedKVCache(1, num_blocks, block_size, num_kv_heads, head_dim, torch.float32, DEVICE)
+    triton_cache = PagedKVCache(1, num_blocks, block_size, num_kv_heads, head_dim, dtype, DEVICE)
+    # Cached keys and values, and noise in every other slot; both caches hold the same (rounded) values.
+    contents = torch.randn(reference_cache.data.shape, generator=generator).to(dtype)
+    triton_cache.data.copy_(contents)
+    reference_cache.data.copy_(contents.float())
+    q, k, v = (t.to(DEVICE) for t in (query, key, value))
+    batch = build_paged_batch(reference_cache, segments, DEVICE)
+    expected, _ = paged_attention_forward(LAYER, q, k, v, None, sliding_window=window, paged_batch=batch)
+    token_ids = [0] * num_tokens
+    _, triton_batch, _ = build_triton_batch(triton_cache, segments, token_ids, [], StepUploader(DEVICE))
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    got, _ = triton_attention_forward(LAYER, q, k, v, None, sliding_window=window, paged_batch=triton_batch)
+    return expected, got, reference_cache, triton_cache
+
+
+MIXED = [(0, 9), (21, 1), (5, 12), (40, 1), (0, 1), (16, 3)]  # fresh prompt, decodes, later chunks
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_matches_torch_on_a_mixed_step(group: int, head_dim: int, block_size: int) -> None:
+    expected, got, reference_cache, triton_cache = run_both(
+        MIXED, group=group, head_dim=head_dim, block_size=block_size, seed=group + head_dim + block_size
+    )
+    torch.testing.assert_close(got, expected, atol=TOLERANCE[torch.float32], rtol=0)
+    torch.testing.assert_close(triton_cache.data, reference_cache.data, atol=0, rtol=0)  # same stores
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_half_precision_within_tolerance(dtype: torch.dtype) -> None:
+    expected, got, _, _ = run_both(MIXED, group=4, head_dim=64, block_size=16, dtype=dtype, seed=7)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("window", [4, 20])
+def test_sliding_window(window: int) -> None:
+    specs = [(0, 30), (50, 1), (33, 7)]
+    expected, got, _, _ = run_both(specs, group=4, head_dim=64, block_size=16, window=window, seed=window)
+    torch.testing.assert_close(got, expected, atol=TOLERANCE[torch.float32], rtol=0)
+    # The window matters: without it the outputs differ.
+    unwindowed, _, _, _ = run_both(specs, group=4, head_dim=64, block_size=16, seed=window)
+    assert not torch.allclose(unwindowed, expected)
+
+
+def test_a_non_power_of_two_group_and_head_dim() -> None:
+    """Qwen2.5-0.5B packs 7 query heads per KV head; head sizes such as 80 pad to the next power of two."""
+    expected, got, _, _ = run_both(MIXED, group=7, head_dim=80, block_size=16, seed=3)
+    torch.testing.assert_close(got, expected, atol=TOLERANCE[torch.float32], rtol=0)
+
+
+def test_store_skips_padded_slots_and_padded_rows_attend_to_nothing() -> None:
+    cache = PagedKVCache(1, 4, 16, 2, 64, torch.float32, DEVICE)
+    key_cache, value_cache = cache.parts[0]
+    key = torch.randn(3, 2, 64, device=DEVICE)
+    slots = torch.tensor([5, -1, 17], dtype=torch.int32, device=DEVICE)
+    store_kv(key, key + 1, key_cache, value_cache, slots)
+    flat_keys = key_cache.reshape(2, -1, 64)
+    torch.testing.assert_close(flat_keys[:, 5], key[0])
+    torch.testing.assert_close(flat_keys[:, 17], key[2])
+    assert int((flat_keys.abs().sum(-1) > 0).sum()) == 4  # two slots x two heads, nothing for the -1 row
+    # Two decode rows, the second padded (no context): its output is zeros, not NaN.
+    query = torch.randn(2, 8, 64, device=DEVICE)
+    out = triton_attention.paged_attention(
+        query,
+        key_cache,
+        value_cache,
+        torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE),
+        torch.tensor([6, 0], dtype=torch.int32, device=DEVICE),
+        torch.tensor([[0], [0]], dtype=torch.int32, device=DEVICE),
+        0.125,
+        max_query_len=1,
+    )
+    assert torch.isfinite(out).all() and not out[0].eq(0).all() and out[1].eq(0).all()
+
+
+def test_bucket_sizes() -> None:
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(6) == [1, 2, 4, 6]
+    assert bucket_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert bucket_sizes(24) == [1, 2, 4, 8, 16, 24]
+
+
+def generate(
+    model: torch.nn.Module, prompts: list[list[int]], wanted: list[int], **options: object
+) -> tuple[list[list[int]], int]:
+    """Greedy tokens of every request, and how many preemptions the run had."""
+    config = EngineConfig(block_size=8, max_batch_tokens=24, max_num_seqs=5, device=DEVICE.type, **options)
+    engine = Engine(model, config)
+    preempted = []
+    engine.step_listeners.append(lambda report: preempted.extend(report.preempted))
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in wanted]
+    return [o.output_token_ids for o in engine.generate(prompts, params)], len(preempted)
+
+
+def test_engine_triton_backend_matches_torch_and_graph_replays() -> None:
+    """Greedy tokens: torch path, Triton path, and Triton with decode graphs (bucket sizes 1, 2, 4, 5 are all
+    used as requests finish; the 3-block cache of a 24-token budget forces preemption and recomputation)."""
+    model = random_model("qwen2", "tiny", num_hidden_layers=1)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 1024) for _ in range(rng.randint(3, 20))] for _ in range(6)]
+    wanted = [3, 9, 14, 5, 18, 7]
+    expected, _ = generate(model, prompts, wanted, attention_backend="torch")
+    assert generate(model, prompts, wanted, attention_backend="triton", use_cuda_graph=False) == (expected, 0)
+    tokens, preemptions = generate(
+        model, prompts, wanted, attention_backend="triton", use_cuda_graph=True, num_blocks=9
+    )
+    assert tokens == expected and preemptions > 0
+
+
+def test_backend_and_graph_options_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from labkit.runtime.runner import resolve_attention_backend, resolve_use_cuda_graph
+
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(attention_backend="flash")
+    with pytest.raises(TypeError, match="use_cuda_graph"):
+        EngineConfig(use_cuda_graph="yes")
+    cpu = torch.device("cpu")
+    assert resolve_attention_backend("auto", cpu) == "torch"  # the CPU path never changes by default
+    assert resolve_use_cuda_graph(None, "torch", cpu) is False
+    with pytest.raises(ValueError, match="needs attention_backend='triton'"):
+        resolve_use_cuda_graph(True, "torch", cpu)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        resolve_attention_backend("triton", cpu)

@@ -146,6 +146,24 @@ def test_miss_reasons_tell_short_prompts_evicted_prefixes_and_new_ones_apart():
     assert stats.queries == 4 and stats.hit_tokens == 0
 
 
+def test_the_evicted_digests_kept_for_miss_reasons_are_bounded():
+    # Two blocks: each 5-token prompt caches one block and evicts the previous prompt's. With
+    # remember_evicted=2, the fourth prompt's eviction forgets the first's digest: its miss reads as new.
+    engine = caching_engine(num_blocks=2)
+    cache = engine.allocator.prefix_cache
+    assert cache.remember_evicted == 4 * 2
+    cache.remember_evicted = 2
+    params = SamplingParams(max_new_tokens=1)
+    prompts = [[base + i for i in range(5)] for base in (10, 20, 30, 40)]
+    for prompt in prompts:
+        engine.generate([prompt], params)
+    assert list(cache.evicted) == [block_hash(None, p[:4]) for p in prompts[1:3]]
+    engine.reports.clear()
+    engine.generate([prompts[0]], params)
+    engine.generate([prompts[2]], params)
+    assert [(r.prefix_cache.miss_new, r.prefix_cache.miss_evicted) for r in engine.reports] == [(1, 0), (0, 1)]
+
+
 # ---------------------------------------------------------------------------------------------------- preemption
 
 
@@ -315,7 +333,8 @@ class CachingMachine(EngineMachine):
             assert allocator.ref_counts[block] == owned.count(block), "ref count differs from the tables holding it"
         in_use = set(owned)
         assert sorted(list(in_use) + free + reusable) == list(range(allocator.num_blocks)), "a block leaked"
-        assert set(reusable) <= set(cache.digest_of), "a reusable block is not in the index"
+        # A reusable block is indexed, unless a failed step overwrote it and its prefix is cached elsewhere now.
+        assert set(reusable) - set(cache.digest_of) <= cache.stale, "a reusable block is not in the index"
         assert not set(free) & set(cache.digest_of), "a plain free block is still indexed"
         assert {entry.block_id for entry in cache.index.values()} == set(cache.digest_of)
         for table in allocator.block_tables.values():

@@ -124,33 +124,33 @@ class BlockAllocator:
             if table:
                 raise ValueError(f"request {request_id!r} already owns blocks; a cached prefix comes first")
             self._share(request_id, table, prefix)
-        new_blocks, num_evicted = [], 0
+        new_blocks: list[int] = []
+        if needed > 0:  # journalled first, so that a failure halfway (in a subclass, say) is undone too
+            self.record_undo(partial(self._undo_allocate, table, new_blocks, len(self.free_blocks)))
         for _ in range(needed):
             if self.free_blocks:
                 block = self.free_blocks.popleft()
             else:  # only reusable cached blocks are left: evict the least recently used (the cache journals it)
                 block = self.prefix_cache.evict_lru()
-                num_evicted += 1
                 self.events.append(BlockEvent("evict", block, request_id, self.step))
             self.ref_counts[block] = 1
             self.events.append(BlockEvent("alloc", block, request_id, self.step))
+            table.append(block)
             new_blocks.append(block)
-        table.extend(new_blocks)
-        if new_blocks:
-            self.record_undo(partial(self._undo_allocate, table, new_blocks, num_evicted))
         self.num_slots[request_id] = max(self.num_slots.get(request_id, 0), num_tokens)
         return new_blocks
 
     def _share(self, request_id: Hashable, table: list[int], prefix: PrefixMatch) -> None:
         """Take a reference to each cached block of ``prefix``: the start of a new request's table."""
-        cache = self.prefix_cache
+        cache, shared = self.prefix_cache, []
+        self.record_undo(partial(self._undo_share, table, shared))
         for block in prefix.blocks:
             if self.ref_counts[block] == 0:  # reusable until now: in use again
                 cache.revive(block)
             self.ref_counts[block] += 1
             self.events.append(BlockEvent("hit", block, request_id, self.step))
-        table.extend(prefix.blocks)
-        self.record_undo(partial(self._undo_share, table, prefix.blocks))
+            table.append(block)
+            shared.append(block)
         self._set_num_indexed(request_id, len(prefix.blocks))
         self.record_undo(partial(setattr, self, "prefix_stats", replace(self.prefix_stats)))
         self.prefix_stats.record(prefix, self.block_size)
@@ -220,9 +220,9 @@ class BlockAllocator:
                 self.free_blocks.append(block)
             released.append(block)
             self.events.append(BlockEvent("free", block, request_id, self.step))
+        self.record_undo(partial(self._undo_free, request_id, table, len(released) - len(reusable)))
         for block in reversed(reusable):  # a prefix's tail is evicted before its head, which others may share
             cache.release(block)
-        self.record_undo(partial(self._undo_free, request_id, table, len(released) - len(reusable)))
         return released
 
     def slot(self, request_id: Hashable, token_index: int) -> int:
@@ -279,12 +279,12 @@ class BlockAllocator:
             self.prefix_cache.stale.update(e.block_id for e in self.events[num_events:] if e.kind == "evict")
         del self.events[num_events:]
 
-    def _undo_allocate(self, table: list[int], new_blocks: list[int], num_evicted: int) -> None:
+    def _undo_allocate(self, table: list[int], new_blocks: list[int], num_free: int) -> None:
         del table[len(table) - len(new_blocks) :]
         for block in new_blocks:
             self.ref_counts[block] -= 1
-        for block in reversed(new_blocks[: len(new_blocks) - num_evicted]):  # back to the front of the queue
-            self.free_blocks.appendleft(block)  # (evicted blocks go back to the cache: it journalled them)
+        for block in reversed(new_blocks[:num_free]):  # back to the front of the queue, in their order
+            self.free_blocks.appendleft(block)  # (the rest were evicted from the cache, which puts them back)
 
     def _undo_share(self, table: list[int], blocks: list[int]) -> None:
         del table[len(table) - len(blocks) :]

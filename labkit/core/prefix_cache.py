@@ -162,16 +162,22 @@ class PrefixCache:
         """Index ``request``'s full block number ``index``, held in ``block_id``; False if that prefix is cached.
 
         A duplicate (two requests computed the same prefix side by side) stays the request's own uncached block.
+        A stale block that held the prefix gives it up: it stays reusable, uncached, until it is evicted.
         """
         digests, size = self.hashes(request, index + 1), self.block_size
         digest = digests[index]
-        if digest in self.index or block_id in self.digest_of:
+        old = self.index.get(digest)
+        if block_id in self.digest_of or (old is not None and old.block_id not in self.stale):
             return False
+        if old is not None:
+            del self.digest_of[old.block_id]
         parent = digests[index - 1] if index else None
         self.index[digest] = CachedBlock(block_id, parent, tuple(request.tokens(index * size, (index + 1) * size)))
         self.digest_of[block_id] = digest
         evicted_at = self.evicted.pop(digest, None)  # cached again: no longer among the evicted
-        self._record(partial(self._undo_insert, digest, block_id, evicted_at))
+        was_stale = block_id in self.stale  # a stale block given up earlier, since rewritten
+        self.stale.discard(block_id)
+        self._record(partial(self._undo_insert, digest, block_id, old, evicted_at, was_stale))
         return True
 
     def release(self, block_id: int) -> None:
@@ -187,28 +193,48 @@ class PrefixCache:
     def evict_lru(self) -> int:
         """Drop the least recently used reusable block from the index and return its id, now a plain free block."""
         block_id, tick = self.reusable.popitem(last=False)
-        digest = self.digest_of.pop(block_id)
-        entry = self.index.pop(digest)
+        was_stale = block_id in self.stale
         self.stale.discard(block_id)  # its contents are about to be replaced anyway
+        digest = self.digest_of.pop(block_id, None)
+        if digest is None:  # a stale block whose prefix another block holds now (see insert)
+            self._record(partial(self._undo_evict, block_id, tick, was_stale, None, None, None))
+            return block_id
+        entry = self.index.pop(digest)
         self.evicted[digest] = next(self._ticks)
         forgotten = self.evicted.popitem(last=False) if len(self.evicted) > self.remember_evicted else None
-        self._record(partial(self._undo_evict, block_id, tick, digest, entry, forgotten))
+        self._record(partial(self._undo_evict, block_id, tick, was_stale, digest, entry, forgotten))
         return block_id
 
     # ------------------------------------------------------------------ undo (see labkit.core.blocks)
-    def _undo_insert(self, digest: bytes, block_id: int, evicted_at: int | None) -> None:
+    def _undo_insert(
+        self, digest: bytes, block_id: int, old: CachedBlock | None, evicted_at: int | None, was_stale: bool
+    ) -> None:
         del self.index[digest], self.digest_of[block_id]
+        if old is not None:
+            self.index[digest], self.digest_of[old.block_id] = old, digest
         if evicted_at is not None:
             _put_back(self.evicted, digest, evicted_at)
+        if was_stale:
+            self.stale.add(block_id)
 
     def _undo_revive(self, block_id: int, tick: int) -> None:
         _put_back(self.reusable, block_id, tick)
 
     def _undo_evict(
-        self, block_id: int, tick: int, digest: bytes, entry: CachedBlock, forgotten: tuple[bytes, int] | None
+        self,
+        block_id: int,
+        tick: int,
+        was_stale: bool,
+        digest: bytes | None,
+        entry: CachedBlock | None,
+        forgotten: tuple[bytes, int] | None,
     ) -> None:
         self.reusable[block_id] = tick
         self.reusable.move_to_end(block_id, last=False)  # it was the least recently used
+        if was_stale:
+            self.stale.add(block_id)
+        if digest is None:
+            return
         self.digest_of[block_id] = digest
         self.index[digest] = entry
         del self.evicted[digest]

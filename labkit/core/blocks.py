@@ -56,7 +56,10 @@ class BlockAllocator:
     A subclass that changes this state only through the methods below is rolled back for free. One with
     state of its own (a prefix cache's hash -> block map, say) journals each change with
     :meth:`record_undo`, or overrides ``checkpoint``/``rollback`` to save and restore it (calling super()).
+    ``prefix_cache_cls`` is the prefix cache it builds when prefix caching is on (a subclass may set its own).
     """
+
+    prefix_cache_cls: type[PrefixCache] = PrefixCache
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
@@ -72,7 +75,9 @@ class BlockAllocator:
         self.num_slots: dict[Hashable, int] = {}  # token slots each request has claimed
         self.events: list[BlockEvent] = []  # drained by the engine once per step
         self.step = 0
-        self.prefix_cache = PrefixCache(block_size, num_blocks, self.record_undo) if enable_prefix_caching else None
+        self.prefix_cache = (
+            self.prefix_cache_cls(block_size, num_blocks, self.record_undo) if enable_prefix_caching else None
+        )
         self.num_indexed: dict[Hashable, int] = {}  # prefix caching: leading blocks of a table already indexed
         self.prefix_stats = PrefixCacheStats()  # this step's lookups, drained with the events
         self._journal: list[Callable[[], None]] | None = None  # undo functions since checkpoint(), oldest first

@@ -109,8 +109,11 @@ class PrefixCache:
 
     ``record_undo`` receives, for every change, a function that reverts it (the allocator's journal);
     ``remember_evicted`` bounds how many evicted digests are kept for the "evicted" miss reason
-    (default: four per block of the cache).
+    (default: four per block of the cache). A subclass may bring its own ``block_hash`` and ``match``
+    (exercise 8); ``BlockAllocator.prefix_cache_cls`` plugs it into the engine.
     """
+
+    block_hash = staticmethod(block_hash)
 
     def __init__(
         self,
@@ -136,7 +139,7 @@ class PrefixCache:
         digests, size = request.block_hashes, self.block_size
         for index in range(len(digests), num_blocks):
             parent = digests[-1] if digests else None
-            digests.append(block_hash(parent, request.tokens(index * size, (index + 1) * size)))
+            digests.append(self.block_hash(parent, request.tokens(index * size, (index + 1) * size)))
         return digests
 
     def match(self, request: Request) -> PrefixMatch:

@@ -24,14 +24,14 @@ from labkit.core.request import RequestOutput, SamplingParams
 from labkit.core.sim import CostModel, SimulatedModel
 from labkit.runtime.hf import GenerationResult, generate_batch
 
-SUBPACKAGES = ("core", "models", "runtime", "serving", "viz")
+SUBPACKAGES = ("core", "exercises", "models", "runtime", "serving", "viz")
 
 
-def _transformers_runner(model: Any, config: EngineConfig) -> Any:
+def _transformers_runner(model: Any, config: EngineConfig, **parts: Any) -> Any:
     """The runner for a transformers model; torch is imported here, the first time a real model runs."""
     from labkit.runtime.runner import ModelRunner
 
-    return ModelRunner(model, config)
+    return ModelRunner(model, config, **parts)
 
 
 _engine.default_runner_factory = _transformers_runner

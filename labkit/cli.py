@@ -1,4 +1,5 @@
-"""The ``labkit`` command: ``labkit demo`` steps an engine and prints what it did; ``labkit bench`` measures."""
+"""The ``labkit`` command: ``labkit demo`` steps an engine and prints what it did; ``labkit bench`` measures;
+``labkit check`` shows the exercises' progress."""
 
 from __future__ import annotations
 
@@ -15,15 +16,17 @@ from rich.table import Table
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel
 from labkit.core.report import StepReport
 from labkit.core.request import RequestOutput
+from labkit.exercises.command import main as check_main
 from labkit.serving.bench.cli import main as bench_main
 from labkit.serving.workloads import check_num_requests
 
-USAGE = """usage: labkit {demo,bench} [options]
+USAGE = """usage: labkit {demo,bench,check} [options]
 
   demo    step the engine through continuous and static batching and print what it did
   bench   serve a workload in several modes and compare throughput and latency
+  check   check your exercises (exercises/exN_*.py) and show your progress
 
-Run `labkit demo --help` or `labkit bench --help` for the options."""
+Run `labkit demo --help`, `labkit bench --help` or `labkit check --help` for the options."""
 
 
 # Speakers of the bundled model's corpus: each prompt asks for one speech, which ends by itself (EOS).
@@ -196,7 +199,7 @@ def demo_main(argv: Sequence[str] | None = None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": demo_main, "bench": bench_main}
+    commands = {"demo": demo_main, "bench": bench_main, "check": check_main}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(USAGE, file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

@@ -55,8 +55,8 @@ def repository_url(root: Path = ROOT) -> str:
 
 
 def notebook_paths(root: Path = ROOT) -> list[Path]:
-    """Every notebook the course ships: notebooks/*.ipynb and exercises/*.ipynb, sorted."""
-    return sorted(path for folder in NOTEBOOK_DIRS for path in (root / folder).glob("*.ipynb"))
+    """Every notebook the course ships: notebooks/*.ipynb, then exercises/*.ipynb, each folder sorted."""
+    return [path for folder in NOTEBOOK_DIRS for path in sorted((root / folder).glob("*.ipynb"))]
 
 
 def badge_line(repository: str, relative_path: str) -> str:

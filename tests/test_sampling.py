@@ -12,19 +12,23 @@ import pytest
 import torch
 
 from labkit import Engine, EngineConfig, SamplingParams
-from labkit.runtime.sampling import Sampler, sample_rows, seeded_uniform
+from labkit.runtime.sampling import Sampler, seeded_uniform
 
 torch.set_num_threads(1)
 
 
 def draw(logits: list[float], uniform: float, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> int:
-    return sample_rows(
-        torch.tensor([logits]),
-        temperature=torch.tensor([temperature]),
-        top_k=torch.tensor([top_k]),
-        top_p=torch.tensor([top_p]),
-        uniform=torch.tensor([uniform], dtype=torch.float64),
-    ).item()
+    return (
+        Sampler()
+        .sample_rows(
+            torch.tensor([logits]),
+            temperature=torch.tensor([temperature]),
+            top_k=torch.tensor([top_k]),
+            top_p=torch.tensor([top_p]),
+            uniform=torch.tensor([uniform], dtype=torch.float64),
+        )
+        .item()
+    )
 
 
 def expected_token(logits: list[float], uniform: float, temperature: float, top_k: int, top_p: float) -> int:

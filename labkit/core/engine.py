@@ -3,7 +3,9 @@
 The model side is a *runner*: an object that owns the KV cache and turns a SchedulerOutput into one
 sampled token per finished chunk. A transformers model gets labkit's torch ModelRunner; a
 SimulatedModel gets a runner that only advances a simulated clock. Allocator and scheduler classes
-can be swapped (``allocator_cls=``, ``scheduler_cls=``), which is how the exercises plug in.
+can be swapped (``allocator_cls=``, ``scheduler_cls=``), and so can the torch runner's slot mapping,
+attention and sampler (``slot_mapping_fn=``, ``attention_fn=``, ``sampler=``): that is how the
+exercises plug in.
 
 A step is all or nothing (``Engine.step``). A plugged-in scheduler keeps that promise by changing
 requests and queues only in ``update`` (``schedule`` plans); a plugged-in allocator by changing its
@@ -48,17 +50,23 @@ class Runner(Protocol):
 #: Builds the runner of a model that does not make its own (a transformers model). The top-level ``labkit``
 #: package plugs in the torch runtime's ModelRunner here, imported only when first used, so the core layer
 #: never names the runtime and ``import labkit`` stays torch-free.
-RunnerFactory = Callable[[Any, EngineConfig], Runner]
+RunnerFactory = Callable[..., Runner]
 default_runner_factory: RunnerFactory | None = None
 
 
-def make_runner(model: Any, config: EngineConfig) -> Runner:
-    """A model that knows its runner (e.g. SimulatedModel) makes it; anything else goes to the default factory."""
+def make_runner(model: Any, config: EngineConfig, **parts: Any) -> Runner:
+    """A model that knows its runner (e.g. SimulatedModel) makes it; anything else goes to the default factory.
+
+    ``parts`` are the runner parts to swap (``slot_mapping_fn``, ``attention_fn``, ``sampler``), given only
+    when set: a runner that computes no attention refuses them.
+    """
     if hasattr(model, "make_runner"):
+        if parts:
+            raise TypeError(f"{', '.join(parts)}: a {type(model).__name__} computes no attention and samples nothing")
         return model.make_runner(config)
     if default_runner_factory is None:
         raise TypeError(f"no runner for a model of type {type(model).__name__}: no default runner factory is set")
-    return default_runner_factory(model, config)
+    return default_runner_factory(model, config, **parts)
 
 
 class Engine:
@@ -72,6 +80,9 @@ class Engine:
         *,
         allocator_cls: Callable[..., BlockAllocator] = BlockAllocator,
         scheduler_cls: Callable[[EngineConfig, BlockAllocator], Scheduler] = Scheduler,
+        slot_mapping_fn: Callable[..., list[int]] | None = None,
+        attention_fn: Callable[..., Any] | None = None,
+        sampler: Callable[..., list[int]] | None = None,
     ) -> None:
         if config is None:
             config = EngineConfig()
@@ -79,7 +90,8 @@ class Engine:
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.config = config
         self.tokenizer = tokenizer
-        self.runner = make_runner(model, config)
+        parts = {"slot_mapping_fn": slot_mapping_fn, "attention_fn": attention_fn, "sampler": sampler}
+        self.runner = make_runner(model, config, **{name: part for name, part in parts.items() if part is not None})
         self.clock = self.runner.clock
         num_blocks = self.runner.init_cache(config.block_size, config.num_blocks)
         if config.enable_prefix_caching:

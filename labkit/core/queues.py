@@ -52,8 +52,10 @@ class FcfsQueue:
         self._queue.append(request)
 
     def requeue(self, request: Request) -> None:
-        """Put a preempted request back."""
+        """Put a preempted request back: first in line."""
         self._queue.appendleft(request)
+
+    appendleft = requeue  # as on a deque: the scheduler's exercises treat the queue as one
 
     def popleft(self) -> Request:
         return self._queue.popleft()
@@ -102,7 +104,10 @@ class RankedQueue(FcfsQueue):
         bisect.insort(self._entries, (key, request), key=itemgetter(0))
 
     def requeue(self, request: Request) -> None:
+        """Put a preempted request back where its key ranks it."""
         bisect.insort(self._entries, (self.key(request), request), key=itemgetter(0))
+
+    appendleft = requeue
 
     def popleft(self) -> Request:
         return self._entries.pop(0)[1]

@@ -160,7 +160,7 @@ class Scheduler:
         self.allocator.step = self.step_index + 1
         if self.config.policy == "static":
             return self._schedule_static()
-        return self._schedule_continuous()
+        return self.schedule_continuous()
 
     def rollback(self, output: SchedulerOutput | None = None) -> None:
         """Forget the planned step: put the allocator back as it was before ``schedule()``.
@@ -205,11 +205,8 @@ class Scheduler:
             request = self.requests[request_id]
             if request.num_cached_tokens is None:  # a recomputation does not count again
                 request.num_cached_tokens = num_cached
-        for victim in output.preempted:  # back to the waiting queue, to be recomputed from scratch
-            victim.state = RequestState.WAITING
-            victim.num_computed_tokens = 0
-            victim.metrics.num_preemptions += 1
-            self.waiting.requeue(victim)
+        for victim in output.preempted:
+            self.requeue_preempted(victim)
 
         finished = []
         results = zip(sampled, reasons, strict=True)
@@ -254,7 +251,17 @@ class Scheduler:
         return True
 
     # ------------------------------------------------------------------ continuous batching
-    def _schedule_continuous(self) -> SchedulerOutput:
+    def schedule_continuous(self) -> SchedulerOutput:
+        """Plan one continuous-batching step within the token budget (exercise 3).
+
+        Running requests first, in order, each with its next decode token or prompt chunk; when one
+        needs a block and none is free, the last running request (the most recently admitted, or the
+        lowest-ranked) is preempted (:meth:`preempt`). Then waiting requests are admitted in the queue's
+        order while budget, ``max_num_seqs`` and free blocks allow, unless this step preempted. A prompt
+        that does not fit the budget is chunked when ``chunked_prefill`` is on, and otherwise waits for a
+        step with room. Under ``"priority"``, waiting requests that outrank the last running one are
+        admitted first, displacing it if they must.
+        """
         cfg, allocator, running = self.config, self.allocator, self.running
         output = SchedulerOutput(step=self.step_index + 1, chunks=[])
         budget = cfg.max_batch_tokens
@@ -274,7 +281,7 @@ class Scheduler:
                     break  # it needs a step with more budget, not more room
                 else:  # displace the lowest-ranked running request
                     end_of_running -= 1
-                    self._preempt(output, last)
+                    self.preempt(output, last)
         displaced = len(output.preempted)
 
         i = 0
@@ -292,7 +299,7 @@ class Scheduler:
             needed = allocator.blocks_needed(request.request_id, end)  # usually 0: decodes fill the last block
             while needed > allocator.num_free_blocks and end_of_running > i:
                 end_of_running -= 1
-                self._preempt(output, running[end_of_running])  # the most recently admitted, or lowest-ranked
+                self.preempt(output, running[end_of_running])  # the most recently admitted, or lowest-ranked
             if end_of_running == i:  # preempted itself: nothing younger was left
                 break
             end_of_runnable = min(end_of_runnable, end_of_running)
@@ -302,7 +309,7 @@ class Scheduler:
             i += 1
         while end_of_running > end_of_runnable:  # the failed step's victims that nothing has evicted yet
             end_of_running -= 1
-            self._preempt(output, running[end_of_running])
+            self.preempt(output, running[end_of_running])
 
         # Admit new work only when no running request had to be preempted for blocks: otherwise we would
         # evict and admit at once. (Displacing lower-ranked requests for a better one, above, is the point.)
@@ -337,15 +344,26 @@ class Scheduler:
         output.add_chunk(request, start, num_tokens, True)
         return num_tokens
 
-    def _preempt(self, output: SchedulerOutput, victim: Request) -> None:
-        """Plan to preempt ``victim``: its blocks are freed now, it is recomputed from scratch later."""
+    def preempt(self, output: SchedulerOutput, victim: Request) -> None:
+        """Plan to preempt ``victim`` (exercise 4): free all its blocks now and list it in ``output.preempted``."""
         self.allocator.free(victim.request_id)
         output.preempted.append(victim)
+
+    def requeue_preempted(self, victim: Request) -> None:
+        """Commit a preemption (exercise 4): ``victim`` waits again, first in line, to be recomputed from scratch.
+
+        Its keys and values went with its blocks, so ``num_computed_tokens`` restarts at 0; it keeps the
+        tokens it generated, so recomputing prompt + output gives the same next tokens as before.
+        """
+        victim.state = RequestState.WAITING
+        victim.num_computed_tokens = 0
+        victim.metrics.num_preemptions += 1
+        self.waiting.requeue(victim)
 
     # ------------------------------------------------------------------ static batching
     def _schedule_static(self) -> SchedulerOutput:
         output = SchedulerOutput(step=self.step_index + 1, chunks=[])
-        batch = self.running or self._form_static_batch(output)
+        batch = self.running or self.form_static_batch(output)
         if not batch:
             return output
         if any(r.num_computed_tokens < r.num_prompt_tokens for r in batch):  # prefill the padded batch's next columns
@@ -365,8 +383,8 @@ class Scheduler:
                 output.add_chunk(request, request.num_computed_tokens, 1, False)
         return output
 
-    def _form_static_batch(self, output: SchedulerOutput) -> list[Request]:
-        """The previous batch is done: plan a new one from the head of the queue (``update`` admits it).
+    def form_static_batch(self, output: SchedulerOutput) -> list[Request]:
+        """The previous batch is done: plan a new one from the head of the queue (exercise 7; ``update`` admits it).
 
         Members join while seats and cache allow and the prompts, padded to the longest, still prefill in
         one step; a first prompt longer than the budget makes a batch of one. Each member reserves blocks

@@ -31,7 +31,7 @@ time goes to the number of torch calls and to reading the cache: the code below 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -299,17 +299,59 @@ class FreshPrefillGroup:
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+#: A per-request attention function with the signature of :func:`paged_attention` (exercise 5's seam).
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Sequence[int], int, float], torch.Tensor]
+#: A function with the signature of :func:`slot_mapping` (exercise 2's seam).
+SlotMappingFn = Callable[[Sequence[Segment], int, int], list[int]]
+
+
 @dataclass
 class PagedBatch:
-    """One step's layout, built once and read by every layer: where to write K/V, what each query attends to."""
+    """One step's layout, built once and read by every layer: where to write K/V, what each query attends to.
+
+    With an ``attention_fn`` the groups are empty and each segment is attended on its own by that function.
+    """
 
     cache: PagedKVCache
     slot_mapping: torch.Tensor  # (T,) long: the cache slot each packed token writes its K/V to
     position_ids: torch.Tensor  # (T,) long
     groups: list[DecodeGroup | PrefillGroup | FreshPrefillGroup]
+    segments: Sequence[Segment] = ()
+    attention_fn: AttentionFn | None = None
 
 
-def build_paged_batch(cache: PagedKVCache, segments: Sequence[Segment], device: torch.device) -> PagedBatch:
+def slot_mapping(segments: Sequence[Segment], block_size: int, scratch_slot: int) -> list[int]:
+    """The cache slot of every token of a packed step, in packed order (exercise 2).
+
+    Token ``p`` of a segment's request lives in slot ``block_table[p // block_size] * block_size +
+    p % block_size``; a padding segment (``writes_cache=False``) writes all its tokens to ``scratch_slot``.
+    Python work is one run of slots per block touched, never one division per token.
+    """
+    slots: list[int] = []
+    for start, num_tokens, table, writes_cache in segments:
+        if not writes_cache:
+            slots.extend([scratch_slot] * num_tokens)
+        elif num_tokens == 1:  # a decode row, by far the most common
+            slots.append(table[start // block_size] * block_size + start % block_size)
+        else:
+            position, end = start, start + num_tokens
+            while position < end:  # one run of consecutive slots per block
+                block, offset = divmod(position, block_size)
+                run = min(block_size - offset, end - position)
+                first = table[block] * block_size + offset
+                slots.extend(range(first, first + run))
+                position += run
+    return slots
+
+
+def build_paged_batch(
+    cache: PagedKVCache,
+    segments: Sequence[Segment],
+    device: torch.device,
+    *,
+    attention_fn: AttentionFn | None = None,
+    slot_mapping_fn: SlotMappingFn = slot_mapping,
+) -> PagedBatch:
     """Turn a step's segments into the index tensors attention needs.
 
     Python work is one pass over the segments, one run of slots per block touched and one block id per
@@ -317,48 +359,36 @@ def build_paged_batch(cache: PagedKVCache, segments: Sequence[Segment], device: 
     """
     block_size = cache.block_size
     positions: list[int] = []
-    slots: list[int] = []
     decodes: list[tuple[int, Segment]] = []  # (first packed row, segment)
     prefills: list[tuple[int, Segment]] = []  # chunks that attend to cached keys
     fresh: list[tuple[int, int]] = []  # (first packed row, length) of chunks with nothing cached before them
     for segment in segments:
-        start, num_tokens, table, writes_cache = segment
-        if num_tokens == 1:  # a decode row, by far the most common: one position, one slot
+        start, num_tokens, _, writes_cache = segment
+        if num_tokens == 1:  # a decode row, by far the most common: one position
             decodes.append((len(positions), segment))
             positions.append(start)
-            if writes_cache:
-                slots.append(table[start // block_size] * block_size + start % block_size)
-            else:  # a padding row's position may lie past its request's blocks
-                slots.append(cache.scratch_slot)
             continue
         if start == 0 and writes_cache:
             fresh.append((len(positions), num_tokens))
         else:
             prefills.append((len(positions), segment))
-        end = start + num_tokens
-        positions.extend(range(start, end))
-        if not writes_cache:
-            slots.extend([cache.scratch_slot] * num_tokens)
-            continue
-        position = start
-        while position < end:  # one run of consecutive slots per block
-            block, offset = divmod(position, block_size)
-            run = min(block_size - offset, end - position)
-            first = table[block] * block_size + offset
-            slots.extend(range(first, first + run))
-            position += run
+        positions.extend(range(start, start + num_tokens))
     num_rows = len(positions)
+    slots = slot_mapping_fn(segments, block_size, cache.scratch_slot)
+    if len(slots) != num_rows:
+        raise ValueError(f"the slot mapping has {len(slots)} slots for a step of {num_rows} tokens")
     groups: list[DecodeGroup | PrefillGroup | FreshPrefillGroup] = []
-    for members in _split_by_context(decodes, block_size):
-        if members:
-            groups.append(_decode_group(cache, members, num_rows, device))
-    if prefills:
-        groups.append(_prefill_group(cache, prefills, num_rows, device))
-    if fresh:
-        groups.append(_fresh_group(fresh, num_rows, device))
+    if attention_fn is None:
+        for members in _split_by_context(decodes, block_size):
+            if members:
+                groups.append(_decode_group(cache, members, num_rows, device))
+        if prefills:
+            groups.append(_prefill_group(cache, prefills, num_rows, device))
+        if fresh:
+            groups.append(_fresh_group(fresh, num_rows, device))
     ids = long_tensor(slots + positions, device)  # one tensor built for both lists
-    slot_mapping, position_ids = ids[:num_rows], ids[num_rows:]
-    return PagedBatch(cache=cache, slot_mapping=slot_mapping, position_ids=position_ids, groups=groups)
+    slot_ids, position_ids = ids[:num_rows], ids[num_rows:]
+    return PagedBatch(cache, slot_ids, position_ids, groups, segments, attention_fn)
 
 
 def _context(segment: Segment) -> int:
@@ -476,6 +506,10 @@ def paged_attention_forward(
     scale = head_dim**-0.5 if scaling is None else scaling
     cache, layer = paged_batch.cache, module.layer_idx
     cache.write(layer, paged_batch.slot_mapping, key, value)
+    if paged_batch.attention_fn is not None:
+        if sliding_window is not None:
+            raise ValueError("an attention_fn attends to the whole context; this model uses a sliding window")
+        return _attend_each(paged_batch, layer, query[0], scale).unsqueeze(0), None
 
     output = None
     for group in paged_batch.groups:
@@ -489,6 +523,57 @@ def paged_attention_forward(
             output = query.new_empty((num_rows, num_heads, head_dim))
         output.index_copy_(0, group.output_rows, out)
     return output.unsqueeze(0), None
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: Sequence[int],
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one request's newest tokens over its whole context, read from its blocks (exercise 5).
+
+    ``query`` is (H, Q, D): the request's last Q tokens, at positions ``context_len - Q .. context_len - 1``,
+    whose keys and values are already in the cache. ``key_cache`` and ``value_cache`` are one layer's
+    blocks, (KV, num_blocks, block_size, D); ``block_table`` lists the request's blocks in order. Query
+    ``q`` sees the keys at positions ``0 .. context_len - Q + q`` (causal), scaled by ``scale``; the H
+    query heads share the KV heads in groups of H // KV (grouped-query attention). Returns (H, Q, D).
+
+    This is the plain definition, one request at a time; the engine's fast path batches requests into
+    groups (DecodeGroup, PrefillGroup) and must agree with it.
+    """
+    num_heads, num_queries, _ = query.shape
+    num_kv_heads, _, block_size, head_dim = key_cache.shape
+    blocks = torch.as_tensor(list(block_table[: -(-context_len // block_size)]), device=key_cache.device)
+    keys = key_cache[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :context_len]
+    values = value_cache[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :context_len]
+    keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=0)  # (H, context, D)
+    values = values.repeat_interleave(num_heads // num_kv_heads, dim=0)
+    scores = (query @ keys.transpose(1, 2)) * scale  # (H, Q, context)
+    query_pos = torch.arange(context_len - num_queries, context_len, device=query.device)[:, None]
+    visible = torch.arange(context_len, device=query.device) <= query_pos
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype) @ values
+
+
+def _attend_each(batch: PagedBatch, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+    """``query`` (H, T, D) -> (T, H, D): each segment through ``batch.attention_fn``; padding rows stay zero."""
+    key_cache, value_cache = batch.cache.parts[layer]
+    output = torch.zeros_like(query)
+    row = 0
+    for start, num_tokens, table, writes_cache in batch.segments:
+        if writes_cache:  # a padding row's output is thrown away: nothing to compute
+            rows = slice(row, row + num_tokens)
+            q = query[:, rows]
+            out = batch.attention_fn(q, key_cache, value_cache, table, start + num_tokens, scale)
+            if not isinstance(out, torch.Tensor) or out.shape != q.shape:
+                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise ValueError(f"attention_fn must return a tensor of the query's shape {tuple(q.shape)}, got {got}")
+            output[:, rows] = out
+        row += num_tokens
+    return output.transpose(0, 1)
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

@@ -27,10 +27,13 @@ from labkit.core.config import EngineConfig
 from labkit.core.scheduler import SchedulerOutput
 from labkit.runtime.attention import (
     ATTENTION_NAME,
+    AttentionFn,
     PagedKVCache,
     Segment,
+    SlotMappingFn,
     build_paged_batch,
     long_tensor,
+    slot_mapping,
     use_paged_attention,
 )
 from labkit.runtime.packed import PackedLinears
@@ -54,9 +57,23 @@ class ModelRunner:
     runner's cache and packed weights were made for the old one. Its attention is switched to labkit's paged
     attention only while a step runs, so ``model.generate`` still works; on a CPU its linear layers likewise
     run on oneDNN-packed weights during a step (labkit.runtime.packed).
+
+    Three parts can be swapped, which is how the exercises run inside the engine: ``slot_mapping_fn``
+    (signature of :func:`labkit.runtime.attention.slot_mapping`), ``attention_fn`` (signature of
+    :func:`labkit.runtime.attention.paged_attention`, called per request and layer instead of the batched
+    fast path; both need the torch attention backend) and ``sampler`` (a :class:`Sampler`, or a callable with
+    its signature).
     """
 
-    def __init__(self, model: Any, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        model: Any,
+        config: EngineConfig,
+        *,
+        slot_mapping_fn: SlotMappingFn | None = None,
+        attention_fn: AttentionFn | None = None,
+        sampler: Any = None,
+    ) -> None:
         if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
         output_embeddings = getattr(model, "get_output_embeddings", None)
@@ -78,10 +95,20 @@ class ModelRunner:
         self.eos_token_ids = _eos_token_ids(model)
         self.pad_token_id = text.pad_token_id if text.pad_token_id is not None else 0
         self.device_name = device_name(self.device)
-        self.sampler = Sampler()
+        for name, part in (("slot_mapping_fn", slot_mapping_fn), ("attention_fn", attention_fn), ("sampler", sampler)):
+            if part is not None and not callable(part):
+                raise TypeError(f"{name} must be callable, got {type(part).__name__}")
+        self.slot_mapping_fn = slot_mapping if slot_mapping_fn is None else slot_mapping_fn
+        self.attention_fn = attention_fn
+        self.sampler = Sampler() if sampler is None else sampler
         self.cache: PagedKVCache | None = None
         self.packed_linears = PackedLinears.of(self.model) if config.pack_weights else None
-        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        backend = config.attention_backend
+        if slot_mapping_fn is not None or attention_fn is not None:  # they plug into the torch attention
+            if backend == "triton":
+                raise ValueError("slot_mapping_fn and attention_fn need attention_backend='torch' (or 'auto')")
+            backend = "torch"
+        self.attention_backend = resolve_attention_backend(backend, self.device)
         self.attention_name = ATTENTION_NAME
         self.use_cuda_graph = resolve_use_cuda_graph(config.use_cuda_graph, self.attention_backend, self.device)
         self.graphs: Any = None  # DecodeGraphs, captured in init_cache
@@ -138,7 +165,9 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Logits (len(sample_rows), vocab) for the packed tokens' rows ``sample_rows``."""
         if self.attention_backend == "torch":
-            batch: Any = build_paged_batch(cache, segments, self.device)
+            batch: Any = build_paged_batch(
+                cache, segments, self.device, attention_fn=self.attention_fn, slot_mapping_fn=self.slot_mapping_fn
+            )
             input_ids = long_tensor(token_ids, self.device)[None]
             # 0 keeps every row: a pure decode step samples from all of them, and then needs no index.
             keep: Any = 0 if len(sample_rows) == len(token_ids) else long_tensor(sample_rows, self.device)

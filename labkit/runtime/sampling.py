@@ -50,7 +50,7 @@ class Sampler:
             for i, p in zip(sampled_rows, chosen, strict=True)
         ]
         rows = torch.tensor(sampled_rows, device=logits.device)
-        tokens = sample_rows(
+        tokens = self.sample_rows(
             logits[rows].float(),
             temperature=torch.tensor([p.temperature for p in chosen], device=logits.device),
             top_k=torch.tensor([p.top_k for p in chosen], device=logits.device),
@@ -60,33 +60,37 @@ class Sampler:
         greedy[rows] = tokens
         return greedy.tolist()
 
+    def sample_rows(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        uniform: torch.Tensor,
+    ) -> torch.Tensor:
+        """Draw one token per row: scale by temperature, keep the top-k, then the top-p nucleus, then invert the CDF.
 
-def sample_rows(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    uniform: torch.Tensor,
-) -> torch.Tensor:
-    """Draw one token per row: scale by temperature, keep the top-k, then the top-p nucleus, then invert the CDF.
-
-    ``top_k == 0`` and ``top_p == 1`` switch the filters off; ``uniform`` holds one number in [0, 1) per row.
-    """
-    vocab = logits.shape[-1]
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # a temperature keeps the order
-    # Scaled with the largest logit shifted to 0, the others stay <= 0 however small the temperature: they
-    # can underflow to probability 0 but never overflow to inf and NaN, so a tiny temperature tends to greedy.
-    # The clamp keeps a temperature below float32's range from rounding to 0.
-    tiny = torch.finfo(logits.dtype).tiny
-    sorted_logits = (sorted_logits - sorted_logits[:, :1]).div_(temperature.clamp(min=tiny)[:, None])
-    rank = torch.arange(vocab, device=logits.device)
-    keep_k = torch.where(top_k > 0, top_k, vocab)
-    sorted_logits = sorted_logits.masked_fill(rank >= keep_k[:, None], float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    # Nucleus: keep the smallest prefix whose mass reaches top_p (the most likely token always stays).
-    mass_before = probs.cumsum(dim=-1) - probs
-    probs = probs.masked_fill(mass_before >= top_p[:, None], 0.0)
-    cdf = probs.double().cumsum(dim=-1)
-    target = (uniform * cdf[:, -1])[:, None]
-    index = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)
-    return sorted_ids.gather(1, index).squeeze(1)
+        ``logits`` is (rows, vocab) float32; ``temperature`` (> 0), ``top_k`` and ``top_p`` hold one value per
+        row, and ``top_k == 0`` and ``top_p == 1`` switch those filters off. ``uniform`` holds one number in
+        [0, 1) per row: the row's token is the first one, in order of decreasing probability, whose
+        cumulative kept probability exceeds ``uniform`` times the kept mass. Rows are independent and no
+        other randomness is drawn, which is what makes a seeded request batch-invariant (exercise 6).
+        """
+        vocab = logits.shape[-1]
+        sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # a temperature keeps the order
+        # Scaled with the largest logit shifted to 0, the others stay <= 0 however small the temperature: they
+        # can underflow to probability 0 but never overflow to inf and NaN, so a tiny temperature tends to greedy.
+        # The clamp keeps a temperature below float32's range from rounding to 0.
+        tiny = torch.finfo(logits.dtype).tiny
+        sorted_logits = (sorted_logits - sorted_logits[:, :1]).div_(temperature.clamp(min=tiny)[:, None])
+        rank = torch.arange(vocab, device=logits.device)
+        keep_k = torch.where(top_k > 0, top_k, vocab)
+        sorted_logits = sorted_logits.masked_fill(rank >= keep_k[:, None], float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        # Nucleus: keep the smallest prefix whose mass reaches top_p (the most likely token always stays).
+        mass_before = probs.cumsum(dim=-1) - probs
+        probs = probs.masked_fill(mass_before >= top_p[:, None], 0.0)
+        cdf = probs.double().cumsum(dim=-1)
+        target = (uniform * cdf[:, -1])[:, None]
+        index = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)
+        return sorted_ids.gather(1, index).squeeze(1)

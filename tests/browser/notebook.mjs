@@ -120,11 +120,18 @@ try {
 
   // Every widget view rendered: no output area is left showing a widget model that failed to load.
   await page.waitForTimeout(1000); // the last comm messages
-  const [views, drawn] = await page.evaluate(() => {
+  // Plotly draws lazily: bring each widget into view first. A widget is a plotly plot itself (a
+  // FigureWidget) or holds one (a box of controls and a plot); it is drawn once the plot has its data.
+  const widgets = page.locator(".labkit-blockmap, .labkit-timeline, .labkit-throughput");
+  for (let i = 0; i < (await widgets.count()); i++) await widgets.nth(i).scrollIntoViewIfNeeded();
+  await page.waitForTimeout(500);
+  const [views, drawn, missing] = await page.evaluate(() => {
     const all = [...document.querySelectorAll(".labkit-blockmap, .labkit-timeline, .labkit-throughput")];
-    return [all.length, all.filter((el) => el.querySelector(".js-plotly-plot")?.data).length];
+    const plot = (el) => (el.matches(".js-plotly-plot") ? el : el.querySelector(".js-plotly-plot"));
+    const undrawn = all.filter((el) => !plot(el)?.data).map((el) => el.className);
+    return [all.length, all.length - undrawn.length, undrawn.join(", ")];
   });
-  await check(views > 0 && drawn === views, `all ${views} labkit widgets rendered a plotly figure (${drawn})`);
+  await check(views > 0 && drawn === views, `all ${views} labkit widgets rendered a plotly figure (${drawn}; not drawn: ${missing || "none"})`);
 
   // Where there is a live throughput plot, it gained points while the run cell executed.
   if (pointsBefore !== null) {
@@ -158,7 +165,8 @@ try {
   // Pause, then hover the first block: plotly.js shows the cell's details.
   await page.locator(".labkit-play button").first().click();
   await page.waitForTimeout(800);
-  const box = await page.locator(".labkit-blockmap-figure .heatmaplayer image").boundingBox();
+  await blockMap.scrollIntoViewIfNeeded();
+  const box = await page.locator(".labkit-blockmap-figure .heatmaplayer image").first().boundingBox();
   const [rows, columns] = await page.evaluate(() => {
     const z = document.querySelector(".labkit-blockmap-figure .js-plotly-plot").data[0].z;
     return [z.length, z[0].length];

@@ -1,0 +1,45 @@
+"""Exercise 1 · Block allocator: hand out KV-cache blocks from a free queue, and take them back.
+
+Fill in ``allocate`` and ``free``; everything else (``__init__``, ``blocks_needed``, ``slot``, ...) is labkit's.
+The state you work with, set up by ``BlockAllocator.__init__``:
+
+* ``self.free_blocks``: a deque of free block ids, initially ``0 .. num_blocks - 1``;
+* ``self.ref_counts[block]``: how many requests reference each block (0 = free);
+* ``self.block_tables[request_id]``: the request's blocks, in token order;
+* ``self.num_slots[request_id]``: how many token slots the request has claimed;
+* ``self.events``: a list of ``BlockEvent(kind, block_id, request_id, self.step)``, drawn by the block map.
+
+labkit's own methods also journal each change (``self.record_undo``) so that a step that fails later can
+be rolled back; yours may leave that out (the checks do not need it), at the price that a step failing
+after your ``allocate`` cannot be undone.
+
+Check it: ``labkit check``, ``pytest -m ex1 exercises/``, or ``labkit.exercises.check(1)`` in a notebook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from labkit.core.blocks import BlockAllocator, BlockEvent, NoFreeBlocksError  # noqa: F401 (you will need them)
+
+
+class MyBlockAllocator(BlockAllocator):
+    def allocate(self, request_id: Hashable, num_tokens: int) -> list[int]:
+        """Grow ``request_id``'s block table to cover ``num_tokens`` tokens; return the new blocks.
+
+        Take ``self.blocks_needed(request_id, num_tokens)`` blocks from the *front* of ``self.free_blocks``,
+        give each reference count 1 and an "alloc" event, append them to the request's block table (creating
+        it if needed) and set ``self.num_slots[request_id]`` to ``num_tokens`` if that is more than before.
+        All or nothing: if too few blocks are free, raise NoFreeBlocksError and change nothing.
+        """
+        raise NotImplementedError("Exercise 1")
+
+    def free(self, request_id: Hashable) -> list[int]:
+        """Drop ``request_id``'s references; return the blocks that went back to the free queue, in table order.
+
+        Remove the request from ``self.block_tables`` and ``self.num_slots``; decrement the reference count of
+        each of its blocks, and append a block whose count reaches 0 to the *end* of ``self.free_blocks``
+        (with a "free" event). Another request may still share a block: then it stays in use.
+        Freeing a request that owns nothing (unknown, or already freed) raises KeyError.
+        """
+        raise NotImplementedError("Exercise 1")

@@ -1,0 +1,45 @@
+"""Exercise 3 · A scheduler step with a token budget: decode first, then admit and chunk prefills.
+
+Before every model step the scheduler *plans* which requests run and how many tokens each computes.
+All of them share one budget, ``self.config.max_batch_tokens``. Fill in ``schedule_continuous``; the
+state it reads and the helpers it calls are labkit's (``labkit.core.scheduler.Scheduler``):
+
+* ``self.running``: requests in the batch, in admission order; ``self.waiting``: the waiting queue, in arrival
+  order (iterate over it);
+* ``self.allocator``: the block allocator (``blocks_needed``, ``num_free_blocks``, ``can_allocate``, ``allocate``);
+* ``request.num_tokens`` (prompt + generated so far) and ``request.num_computed_tokens`` (already in the cache);
+* ``output.add_chunk(request, start, n, is_prefill)``: plan the request's tokens ``start .. start + n - 1``;
+* ``output.admitted.append(request)``: plan to admit a waiting request;
+* ``self.preempt(output, victim)``: plan to evict a running request, freeing its blocks (exercise 4).
+
+A plan changes nothing but the allocator: do not pop from the queues or change requests here; ``update``
+applies the plan once the model has run (so a failed step can be rolled back).
+
+Check it: ``labkit check``, ``pytest -m ex3 exercises/``, or ``labkit.exercises.check(3)`` in a notebook.
+"""
+
+from __future__ import annotations
+
+from labkit.core.request import RequestState  # noqa: F401 (you will need it)
+from labkit.core.scheduler import Scheduler, SchedulerOutput
+
+
+class MyScheduler(Scheduler):
+    def schedule_continuous(self) -> SchedulerOutput:
+        """Plan one step: return ``SchedulerOutput(step=self.step_index + 1, chunks=[])`` filled in.
+
+        1. Running requests first, in order: each gets ``n = min(remaining, budget)`` tokens from
+           ``request.num_computed_tokens`` on, where remaining is ``num_tokens - num_computed_tokens`` (1 for
+           a decoding request; ``is_prefill`` is ``request.state is RequestState.PREFILLING``). Without
+           ``config.chunked_prefill`` a request whose remaining tokens do not fit is skipped this step. Grow
+           its blocks with ``allocator.allocate(request_id, num_computed_tokens + n)``; while it needs more
+           blocks than are free, preempt the youngest running request not yet preempted
+           (``self.preempt(output, victim)``), and stop if that was this request itself.
+        2. Then, unless this step preempted, admit waiting requests from the front, in order, while the
+           budget is positive, ``len(self.running) + len(output.admitted) < config.max_num_seqs``, the
+           (possibly chunked) prompt fits and the allocator can allocate it: allocate, then
+           ``output.admitted.append(request)`` and ``output.add_chunk(request, 0, n, True)``.
+        The chunks never total more than ``config.max_batch_tokens``. (``self.evict_first`` lists the
+        victims of a step that failed and was rolled back; labkit's own version evicts them first.)
+        """
+        raise NotImplementedError("Exercise 3")

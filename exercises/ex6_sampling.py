@@ -1,0 +1,35 @@
+"""Exercise 6 · Sampling: temperature, top-k and top-p, driven by one uniform number per request.
+
+labkit's ``Sampler`` turns each seeded request's ``(seed, n)`` into a uniform number in [0, 1) (a hash,
+no shared random state), so a request draws the same tokens alone, in any batch, and after being
+preempted and recomputed. Fill in ``sample_rows``: turn logits and that number into a token.
+
+Check it: ``labkit check``, ``pytest -m ex6 exercises/``, or ``labkit.exercises.check(6)`` in a notebook.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from labkit.runtime.sampling import Sampler
+
+
+class MySampler(Sampler):
+    def sample_rows(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        uniform: torch.Tensor,
+    ) -> torch.Tensor:
+        """Draw one token per row; return a (rows,) tensor of token ids.
+
+        ``logits`` is (rows, vocab) float32; ``temperature`` (> 0), ``top_k`` and ``top_p`` hold one value
+        per row. In order: divide the row's logits by its temperature; keep its ``top_k`` most likely tokens
+        (``top_k == 0``: all); softmax; keep the smallest prefix, in order of decreasing probability, whose
+        mass reaches ``top_p`` (a token is dropped when the mass before it is already >= top_p; ``top_p ==
+        1``: all). Then pick the first kept token whose cumulative probability exceeds ``uniform`` times the
+        kept mass (inverse CDF). Use no other randomness. You may loop over the rows.
+        """
+        raise NotImplementedError("Exercise 6")

@@ -1,0 +1,31 @@
+"""Exercise 7 · Static against continuous: the static policy's admission rule, then measure the difference.
+
+Static batching (the classic padded batch) starts a new batch only when the previous one has completely
+finished. labkit's ``Scheduler`` calls ``form_static_batch`` at that moment (policy ``"static"``), then
+prefills every member, padded to the longest prompt, and decodes them together until the last one is
+done. Fill in ``form_static_batch``; the state it uses is labkit's:
+
+* ``self.waiting``: the waiting queue, in arrival order (read it; ``update`` takes the admitted requests off it);
+* ``self.allocator.can_allocate(request_id, n)`` and ``self.allocator.allocate(request_id, n)``;
+* ``output.admitted``: the planned batch.
+
+Check it: ``labkit check``, ``pytest -m ex7 exercises/``, or ``labkit.exercises.check(7)`` in a notebook.
+"""
+
+from __future__ import annotations
+
+from labkit.core.request import Request
+from labkit.core.scheduler import Scheduler, SchedulerOutput
+
+
+class MyScheduler(Scheduler):
+    def form_static_batch(self, output: SchedulerOutput) -> list[Request]:
+        """Plan the next static batch from the front of ``self.waiting``, in arrival order; return ``output.admitted``.
+
+        A waiting request joins while the batch has fewer than ``config.max_num_seqs`` members, the batch is
+        empty or its padded prompt rows, (members + 1) x the longest prompt including this one, stay within
+        ``config.max_batch_tokens``, and its blocks for ``num_prompt_tokens + params.max_new_tokens - 1``
+        tokens can be reserved up front. Reserve them (``allocate``), then append it to ``output.admitted``.
+        The first request that does not fit ends the batch.
+        """
+        raise NotImplementedError("Exercise 7")

@@ -1,0 +1,141 @@
+"""Exercises: learners build the engine's parts, check them here, then run them inside the real engine.
+
+Each exercise is a learner's file ``exercises/exN_<topic>.py`` (typed stubs that raise
+``NotImplementedError("Exercise N")``), a check module ``labkit/exercises/exN_<topic>.py`` defining
+``EXERCISE`` (found here by name: adding an exercise needs no registration) and a notebook
+``exercises/exN_<topic>.ipynb``. The reference solutions are labkit's own classes and functions.
+
+>>> from labkit.exercises import check
+>>> result = check(1)                       # imports exercises/ex1_block_allocator.py
+>>> result = check(1, MyBlockAllocator)     # or an implementation defined in a notebook cell
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+from pathlib import Path
+from typing import Any
+
+from labkit.exercises.framework import (
+    LABKIT_DIR,
+    Case,
+    CheckResult,
+    Exercise,
+    Failure,
+    Mismatch,
+    find_learner_file,
+    learner_frames,
+    load_learner,
+    property_case,
+    run_exercise,
+)
+
+
+def exercises() -> dict[int, Exercise]:
+    """Every exercise, by number: each ``labkit.exercises.exN_*`` module's ``EXERCISE``."""
+    found = {}
+    for info in pkgutil.iter_modules(__path__):
+        if info.name.startswith("ex") and info.name[2:].split("_")[0].isdigit():
+            exercise = importlib.import_module(f"{__name__}.{info.name}").EXERCISE
+            found[exercise.number] = exercise
+    return dict(sorted(found.items()))
+
+
+def get(number: int) -> Exercise:
+    table = exercises()
+    if number not in table:
+        raise ValueError(f"no exercise {number}; there are {sorted(table)}")
+    return table[number]
+
+
+def reference(number: int) -> Any:
+    """labkit's own implementation, which every check of exercise ``number`` passes."""
+    return get(number).reference()
+
+
+def check(
+    number: int,
+    implementation: Any = None,
+    *,
+    path: str | os.PathLike[str] | None = None,
+    verbose: bool = False,
+    quiet: bool = False,
+) -> CheckResult:
+    """Check exercise ``number`` and print friendly feedback; return a CheckResult (``.passed``, ``.failures``).
+
+    With no ``implementation`` the learner's file is imported: ``path`` (the file or its folder), else
+    $LABKIT_EXERCISES_DIR, ./exercises, the current folder or the repository's exercises/. Failing
+    cases show their input, what was expected, what came back and a hint; ``verbose=True`` adds full
+    tracebacks, ``quiet=True`` prints nothing.
+    """
+    exercise = get(number)
+    if implementation is not None:
+        result = run_exercise(exercise, implementation, "your implementation", verbose=verbose)
+    else:
+        result = check_file(exercise, path, verbose=verbose)
+    if not quiet:
+        print(result.report())
+    return result
+
+
+def load_implementation(exercise: Exercise, path: str | os.PathLike[str] | None = None) -> tuple[Any, str, str]:
+    """(implementation, where it came from, error): the learner's file imported afresh; error "" when it loaded."""
+    file = find_learner_file(exercise, path)
+    if file is None or not file.is_file():
+        where = str(file) if file is not None else f"exercises/{exercise.filename}"
+        error = (
+            f"no file {where} here: open the repository's exercises folder, or define your implementation"
+            f" in a cell and pass it: check({exercise.number}, {exercise.export})"
+        )
+        return None, where, error
+    try:
+        return load_learner(exercise, file), display_path(file), ""
+    except Exception as error:  # a syntax error or a missing name in the learner's file
+        where = learner_frames(error)
+        return (
+            None,
+            display_path(file),
+            f"your file does not load: {type(error).__name__}: {error}" + (f"\n{where}" if where else ""),
+        )
+
+
+def display_path(file: Path) -> str:
+    """``file`` relative to the current folder or the repository when it lies inside one of them."""
+    for root in (Path.cwd(), LABKIT_DIR.parent):
+        try:
+            return str(file.resolve().relative_to(root.resolve()))
+        except ValueError:
+            continue
+    return str(file)
+
+
+def check_file(exercise: Exercise, path: str | os.PathLike[str] | None = None, *, verbose: bool = False) -> CheckResult:
+    """Check the learner's file for ``exercise`` (found as :func:`check` finds it), printing nothing."""
+    implementation, source, error = load_implementation(exercise, path)
+    if error:
+        return CheckResult(exercise.number, exercise.title, source, len(exercise.cases), load_error=error)
+    return run_exercise(exercise, implementation, source, verbose=verbose)
+
+
+def progress(path: str | os.PathLike[str] | None = None) -> list[CheckResult]:
+    """Every exercise checked quietly against the learner's files: what ``labkit check`` shows."""
+    return [check_file(exercise, path) for exercise in exercises().values()]
+
+
+__all__ = [
+    "Case",
+    "CheckResult",
+    "Exercise",
+    "Failure",
+    "Mismatch",
+    "check",
+    "check_file",
+    "exercises",
+    "get",
+    "load_implementation",
+    "progress",
+    "property_case",
+    "reference",
+]

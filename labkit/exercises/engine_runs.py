@@ -1,0 +1,112 @@
+"""Scheduler cases: the learner's scheduler and labkit's serve the same requests on the simulated model, in
+lockstep, and the first step where they decide differently is the feedback.
+
+The simulated model's tokens depend only on each request's tokens so far, so the two engines see the same
+outputs as long as they schedule the same work; a step also checks the rules that hold for any scheduler
+(the token budget, ``max_num_seqs``) before it compares, so that breaking one is named outright.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from labkit.core.config import EngineConfig
+from labkit.core.engine import Engine
+from labkit.core.report import StepReport
+from labkit.core.request import SamplingParams
+from labkit.core.sim import SimulatedModel
+from labkit.exercises.framework import Mismatch, showing
+
+#: (prompt tokens, max_new_tokens) of each request, in arrival order.
+Workload = Sequence[tuple[int, int]]
+Invariant = Callable[[Engine, StepReport, EngineConfig], str | None]
+MAX_STEPS = 400
+
+
+def prompts(workload: Workload) -> list[list[int]]:
+    """Distinct prompts of the given lengths (tokens 2..; 0 is padding and 1 is EOS on the simulated model)."""
+    return [[2 + (7 * i + 3 * j) % 60 for j in range(length)] for i, (length, _) in enumerate(workload)]
+
+
+def describe(config: EngineConfig, workload: Workload) -> str:
+    knobs = ", ".join(
+        f"{k}={getattr(config, k)}"
+        for k in ("policy", "max_batch_tokens", "max_num_seqs", "num_blocks", "block_size", "chunked_prefill")
+    )
+    requests = ", ".join(f"r{i}: {p} prompt + {n} new" for i, (p, n) in enumerate(workload))
+    return f"EngineConfig({knobs})\nrequests (arrival order): {requests}"
+
+
+def step_text(report: StepReport) -> str:
+    work = [
+        f"{'prefill' if w.is_prefill else 'decode'} r{w.request_id} [{w.start}:{w.start + w.num_tokens}]"
+        for w in report.scheduled
+    ]
+    extra = [f"admitted {list(report.admitted)}"] if report.admitted else []
+    extra += [f"preempted {list(report.preempted)}"] if report.preempted else []
+    extra += [f"padding {sum(w.num_tokens for w in report.padding)} rows"] if report.padding else []
+    return "; ".join(work or ["nothing"]) + ("; " + "; ".join(extra) if extra else "")
+
+
+def budget_rule(engine: Engine, report: StepReport, config: EngineConfig) -> str | None:
+    spent = report.num_prefill_tokens + report.num_decode_tokens
+    if spent > config.max_batch_tokens:
+        return f"step {report.step} schedules {spent} tokens, but max_batch_tokens is {config.max_batch_tokens}"
+    return None
+
+
+def max_seqs_rule(engine: Engine, report: StepReport, config: EngineConfig) -> str | None:
+    if report.num_running > config.max_num_seqs:
+        return f"after step {report.step}, {report.num_running} requests run, but max_num_seqs is {config.max_num_seqs}"
+    return None
+
+
+def lockstep(
+    scheduler_cls: Any,
+    config: EngineConfig,
+    workload: Workload,
+    hint: str,
+    rules: Sequence[tuple[Invariant, str]] = (),
+    after_step: tuple[Callable[[Engine, StepReport], str | None], str] | None = None,
+) -> None:
+    """Serve ``workload`` with ``scheduler_cls`` and with labkit's Scheduler; Mismatch at the first difference.
+
+    ``rules`` are (check, hint) pairs run on each of the learner's steps first; ``after_step`` may check the
+    learner's engine state after each step: a (check, hint) pair whose check returns a message, or None.
+    """
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in workload]
+    mine = Engine(SimulatedModel(), config, scheduler_cls=scheduler_cls)
+    ref = Engine(SimulatedModel(), config)
+    for engine in (mine, ref):
+        for prompt, p in zip(prompts(workload), params, strict=True):
+            engine.add_request(prompt, p)
+    done: list[str] = []
+    setup = describe(config, workload)
+    showing(setup)
+    for _ in range(MAX_STEPS):
+        if not ref.has_unfinished() and not mine.has_unfinished():
+            return
+        so_far = "\n".join([setup, *done[-6:]])
+        showing(f"{so_far}\n(in step {len(done) + 1})")
+        expected, got = ref.step(), mine.step()
+        for rule, rule_hint in rules:
+            message = rule(mine, got, config)
+            if message is not None:
+                raise Mismatch(so_far, f"step {got.step}: {step_text(expected)}", message, rule_hint)
+        if step_text(expected) != step_text(got):
+            raise Mismatch(
+                so_far, f"step {expected.step}: {step_text(expected)}", f"step {got.step}: {step_text(got)}", hint
+            )
+        if after_step is not None:
+            message = after_step[0](mine, got)
+            if message is not None:
+                raise Mismatch(so_far, f"step {expected.step}: {step_text(expected)}", message, after_step[1])
+        done.append(f"step {expected.step}: {step_text(expected)}")
+    raise Mismatch(setup, "every request finishes", f"requests still unfinished after {MAX_STEPS} steps", hint)
+
+
+def config(**overrides: Any) -> EngineConfig:
+    base = EngineConfig(block_size=4, num_blocks=64, max_batch_tokens=32, max_num_seqs=8)
+    return replace(base, **overrides)

@@ -1,0 +1,170 @@
+"""Checks for exercise 1, the block allocator: allocate and free over a free-block queue with reference counts.
+
+Every case replays a list of operations on the learner's allocator and on labkit's BlockAllocator and
+compares, after each one, what came back and the allocator's state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from labkit.core.blocks import BlockAllocator, NoFreeBlocksError
+from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing
+
+Op = tuple[Any, ...]  # ("allocate", request, num_tokens), ("free", request), ("append_slot", request), ("share", ...)
+
+
+def _apply(allocator: Any, op: Op) -> Any:
+    kind, *args = op
+    if kind == "share":  # what prefix caching does: request b starts with a's first block, one more reference
+        source, target = args
+        block = allocator.block_tables[source][0]
+        allocator.block_tables[target] = [block]
+        allocator.ref_counts[block] += 1
+        allocator.num_slots[target] = allocator.block_size
+        return None
+    try:
+        return getattr(allocator, kind)(*args)
+    except (KeyError, NoFreeBlocksError) as error:
+        return type(error)
+
+
+def _state(allocator: Any) -> dict[str, Any]:
+    return {
+        "free queue": list(allocator.free_blocks),
+        "block tables": {k: list(v) for k, v in allocator.block_tables.items()},
+        "ref counts": list(allocator.ref_counts),
+        "num_slots": dict(allocator.num_slots),
+    }
+
+
+def _show(value: Any) -> str:
+    return f"raises {value.__name__}" if isinstance(value, type) else f"returns {value!r}"
+
+
+def _op_text(op: Op) -> str:
+    kind, *args = op
+    if kind == "share":
+        return f"# request {args[1]!r} shares the first block of {args[0]!r} (as prefix caching does)"
+    return f"{kind}({', '.join(map(repr, args))})"
+
+
+def replay(cls: Any, num_blocks: int, block_size: int, ops: list[Op], hint: str, events: bool = False) -> None:
+    """Run ``ops`` on ``cls`` and on labkit's allocator; raise a Mismatch at the first difference."""
+    mine, ref = cls(num_blocks, block_size), BlockAllocator(num_blocks, block_size)
+    done = [f"allocator = {getattr(cls, '__name__', 'allocator')}(num_blocks={num_blocks}, block_size={block_size})"]
+    for op in ops:
+        done.append(_op_text(op))
+        showing("\n".join(done))
+        expected, got = _apply(ref, op), _apply(mine, op)
+        want, have = _state(ref), _state(mine)
+        if events:
+            want["events"], have["events"] = (
+                [tuple(e) for e in ref.drain_events()],
+                [tuple(e) for e in mine.drain_events()],
+            )
+        if expected != got or want != have:
+            differ = [k for k in want if want[k] != have[k]]
+            expected_text = "\n".join([_show(expected)] + [f"{k}: {want[k]}" for k in differ])
+            got_text = "\n".join([_show(got)] + [f"{k}: {have[k]}" for k in differ])
+            raise Mismatch("\n".join(done), expected_text, got_text, hint)
+
+
+def _ops_case(name: str, num_blocks: int, block_size: int, ops: list[Op], hint: str, events: bool = False) -> Case:
+    return Case(name, lambda cls: replay(cls, num_blocks, block_size, ops, hint, events), hint)
+
+
+def _random_ops(example: tuple[int, int, list[tuple[int, int, int]]]) -> tuple[int, int, list[Op]]:
+    num_blocks, block_size, raw = example
+    kinds = ("allocate", "free", "append_slot")
+    ops: list[Op] = []
+    for kind, request, tokens in raw:
+        name = "abc"[request]
+        ops.append(("allocate", name, tokens) if kinds[kind] == "allocate" else (kinds[kind], name))
+    return num_blocks, block_size, ops
+
+
+def _property(cls: Any, example: Any) -> None:
+    num_blocks, block_size, ops = _random_ops(example)
+    replay(cls, num_blocks, block_size, ops, "compare the first operation where your allocator differs", events=True)
+
+
+def _strategy() -> Any:
+    from hypothesis import strategies as st
+
+    op = st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(1, 24))
+    return st.tuples(st.integers(1, 8), st.integers(1, 4), st.lists(op, max_size=12))
+
+
+CASES = [
+    _ops_case(
+        "allocate takes new blocks from the front of the free queue",
+        8,
+        4,
+        [("allocate", "a", 6), ("allocate", "b", 1)],
+        "pop blocks from the left of self.free_blocks, set each one's reference count to 1, extend the request's"
+        " block table (self.block_tables) and record num_slots[request] = num_tokens; return the new blocks",
+    ),
+    _ops_case(
+        "allocate adds only the blocks a request still lacks",
+        8,
+        4,
+        [("allocate", "a", 3), ("allocate", "a", 4), ("allocate", "a", 9), ("allocate", "a", 2)],
+        "self.blocks_needed(request_id, num_tokens) says how many blocks are missing; a table that already covers"
+        " num_tokens gets nothing new (return []), and num_slots never shrinks",
+    ),
+    _ops_case(
+        "allocate is all or nothing when blocks run out",
+        4,
+        4,
+        [("allocate", "a", 8), ("allocate", "b", 12), ("allocate", "b", 8)],
+        "check that enough blocks are free before taking any: raise NoFreeBlocksError and leave the free queue"
+        " and the block tables exactly as they were",
+    ),
+    _ops_case(
+        "free gives every block back to the end of the free queue",
+        4,
+        2,
+        [("allocate", "a", 5), ("allocate", "b", 2), ("free", "a"), ("allocate", "c", 2)],
+        "decrement each block's reference count; a block that reaches 0 goes to the right end of"
+        " self.free_blocks; drop the request from block_tables and num_slots; return the released blocks",
+    ),
+    _ops_case(
+        "free of a request that owns nothing raises KeyError",
+        4,
+        4,
+        [("free", "x"), ("allocate", "a", 4), ("free", "a"), ("free", "a")],
+        "a double free or an unknown request must raise KeyError, not pass silently or corrupt the queue",
+    ),
+    _ops_case(
+        "a shared block stays in use until its last reference is freed",
+        6,
+        4,
+        [("allocate", "a", 8), ("share", "a", "b"), ("allocate", "b", 6), ("free", "a"), ("free", "b")],
+        "free returns a block to the queue only when its reference count drops to 0: another request may"
+        " still reference it",
+    ),
+    _ops_case(
+        "every allocation and free is recorded as a BlockEvent",
+        4,
+        2,
+        [("allocate", "a", 3), ("append_slot", "a"), ("append_slot", "a"), ("free", "a")],
+        "append BlockEvent('alloc', block, request_id, self.step) for each new block and"
+        " BlockEvent('free', block, request_id, self.step) for each released one: the block map draws them",
+        events=True,
+    ),
+    property_case(
+        "random allocate/free/append_slot sequences behave like labkit's allocator",
+        _strategy,
+        _property,
+    ),
+]
+
+EXERCISE = Exercise(
+    number=1,
+    slug="block_allocator",
+    title="Block allocator",
+    export="MyBlockAllocator",
+    reference=lambda: BlockAllocator,
+    cases=CASES,
+)

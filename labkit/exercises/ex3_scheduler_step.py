@@ -1,0 +1,133 @@
+"""Checks for exercise 3, a continuous-batching step within a token budget (Scheduler.schedule_continuous)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from labkit.core.config import EngineConfig
+from labkit.core.engine import Engine
+from labkit.core.report import StepReport
+from labkit.core.scheduler import Scheduler
+from labkit.exercises.engine_runs import Workload, budget_rule, config, lockstep, max_seqs_rule
+from labkit.exercises.framework import Case, Exercise, property_case
+
+BUDGET_HINT = (
+    "keep a budget = max_batch_tokens, give each chunk min(remaining tokens, budget) and subtract it;"
+    " stop when the budget reaches 0"
+)
+SEQS_HINT = "admit only while len(self.running) + len(output.admitted) < self.config.max_num_seqs"
+ORDER_HINT = (
+    "first walk self.running in order (each gets its next decode token or prompt chunk), and only then"
+    " admit from self.waiting: a running request is never starved by a newcomer"
+)
+
+
+def decode_first_rule(engine: Engine, report: StepReport, cfg: EngineConfig) -> str | None:
+    admitted = set(report.admitted)
+    seen_new = None
+    for work in report.scheduled:
+        if work.request_id in admitted:
+            seen_new = work.request_id
+        elif seen_new is not None:
+            return f"step {report.step} schedules newly admitted r{seen_new} before running r{work.request_id}"
+    return None
+
+
+RULES = [(budget_rule, BUDGET_HINT), (max_seqs_rule, SEQS_HINT), (decode_first_rule, ORDER_HINT)]
+
+
+def _case(name: str, workload: Workload, hint: str, **overrides: Any) -> Case:
+    cfg = config(**overrides)
+    return Case(name, lambda cls: lockstep(cls, cfg, workload, hint, RULES), hint)
+
+
+def _strategy() -> Any:
+    from hypothesis import strategies as st
+
+    request = st.tuples(st.integers(1, 20), st.integers(1, 10))
+    return st.tuples(
+        st.lists(request, min_size=1, max_size=6),
+        st.integers(4, 24),  # max_batch_tokens
+        st.integers(1, 4),  # max_num_seqs
+        st.integers(12, 40),  # num_blocks
+        st.booleans(),  # chunked_prefill
+    )
+
+
+def _property(cls: Any, example: Any) -> None:
+    workload, budget, seqs, blocks, chunked = example
+    if not chunked:  # without chunking, every request must be computable in one step
+        workload = [(min(p, budget - n + 1), n) for p, n in workload if n <= budget]
+        workload = [(p, n) for p, n in workload if p >= 1] or [(1, 1)]
+    cfg = config(max_batch_tokens=budget, max_num_seqs=min(seqs, budget), num_blocks=blocks, chunked_prefill=chunked)
+    lockstep(cls, cfg, workload, "the step above is the first one that differs from labkit's scheduler", RULES)
+
+
+CASES = [
+    _case(
+        "a lone prompt is prefilled in one step, then decodes one token a step",
+        [(6, 3)],
+        "a waiting request that fits is admitted (output.admitted.append) with its whole prompt as one chunk"
+        " (output.add_chunk(request, 0, n, True)); once admitted it is in self.running and gets one token a step",
+    ),
+    _case(
+        "requests are admitted in arrival order while the budget allows",
+        [(8, 2), (8, 2), (8, 2), (8, 2)],
+        "walk self.waiting from the front, in order, while budget, max_num_seqs and free blocks allow"
+        " (do not pop: update() takes the admitted requests off the queue)",
+        max_batch_tokens=20,
+    ),
+    _case(
+        "running requests decode before new prompts are admitted",
+        [(5, 6), (5, 6), (12, 2)],
+        ORDER_HINT,
+        max_batch_tokens=10,
+    ),
+    _case(
+        "a step never schedules more than max_batch_tokens",
+        [(10, 4), (10, 4), (10, 4)],
+        BUDGET_HINT,
+        max_batch_tokens=16,
+    ),
+    _case(
+        "with chunked prefill a long prompt is split across steps",
+        [(30, 2), (3, 2)],
+        "when a prompt does not fit the budget, schedule min(remaining, budget) of it now and the rest later:"
+        " its remaining tokens are request.num_tokens - request.num_computed_tokens",
+        max_batch_tokens=12,
+    ),
+    _case(
+        "without chunked prefill a prompt that does not fit waits",
+        [(4, 4), (9, 1)],
+        "with config.chunked_prefill False a chunk must be the whole remaining prompt: a running request"
+        " that does not fit is skipped this step, a waiting one ends admission",
+        max_batch_tokens=10,
+        chunked_prefill=False,
+    ),
+    _case("max_num_seqs caps the running requests", [(2, 4)] * 5, SEQS_HINT, max_num_seqs=2),
+    _case(
+        "admission stops when the free blocks run out",
+        [(8, 2), (8, 2), (8, 2)],
+        "admit a request only if self.allocator.can_allocate(request.request_id, num_tokens); then allocate",
+        num_blocks=5,
+    ),
+    _case(
+        "a request that needs a block when none is free preempts the youngest",
+        [(6, 10), (6, 10), (6, 10)],
+        "before allocating a running request's chunk, while allocator.blocks_needed(...) >"
+        " allocator.num_free_blocks, preempt the youngest running request not yet preempted"
+        " (self.preempt(output, victim)); stop if that is this very request, and admit nothing in a step that"
+        " preempted",
+        num_blocks=9,
+    ),
+    property_case("random workloads are scheduled like labkit's scheduler", _strategy, _property, max_examples=40),
+]
+
+EXERCISE = Exercise(
+    number=3,
+    slug="scheduler_step",
+    title="A scheduler step with a token budget",
+    export="MyScheduler",
+    reference=lambda: Scheduler,
+    cases=CASES,
+)

@@ -1,0 +1,159 @@
+"""Checks for exercise 6, sampling (Sampler.sample_rows): temperature, top-k, top-p, driven by one uniform per row.
+
+A row's token is a function of its logits, its parameters and its uniform number, so a case sweeps the
+uniform over a fine grid: the tokens drawn, and how often, are the row's sampling distribution, which
+must equal labkit's. A token the filters should have removed is named outright.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing
+
+GRID = [(i + 0.5) / 400 for i in range(400)]  # uniforms, away from every boundary that matters here
+PROBS = [0.5, 0.3, 0.15, 0.05]  # the default row: token 0 is the most likely
+
+
+def _draw(
+    sampler: Any, logits: list[list[float]], params: list[tuple[float, int, float]], uniforms: list[float]
+) -> list[int]:
+    import torch
+
+    result = sampler.sample_rows(
+        torch.tensor(logits, dtype=torch.float32),
+        temperature=torch.tensor([p[0] for p in params], dtype=torch.float32),
+        top_k=torch.tensor([p[1] for p in params]),
+        top_p=torch.tensor([p[2] for p in params], dtype=torch.float32),
+        uniform=torch.tensor(uniforms, dtype=torch.float64),
+    )
+    return [int(t) for t in result.tolist()]
+
+
+def _shares(tokens: list[int]) -> dict[int, float]:
+    return {t: round(tokens.count(t) / len(tokens), 3) for t in sorted(set(tokens))}
+
+
+def distribution_case(name: str, hint: str, probs: list[float], temperature: float, top_k: int, top_p: float) -> Case:
+    logits = [math.log(p) for p in probs]
+
+    def run(cls: Any) -> None:
+        from labkit.runtime.sampling import Sampler
+
+        text = (
+            f"logits = log({probs}) (softmax = those probabilities)\n"
+            f"temperature={temperature}, top_k={top_k}, top_p={top_p}; uniform swept over {len(GRID)} values in (0, 1)"
+        )
+        showing(text)
+        rows = len(GRID)
+        got = _draw(cls(), [logits] * rows, [(temperature, top_k, top_p)] * rows, GRID)
+        expected = _draw(Sampler(), [logits] * rows, [(temperature, top_k, top_p)] * rows, GRID)
+        if got != expected:
+            removed = sorted(set(got) - set(expected))
+            note = f"your sampler drew token(s) {removed}, which the filters remove. " if removed else ""
+            missing = sorted(set(expected) - set(got))
+            note += f"It never drew token(s) {missing}, which should stay. " if missing else ""
+            raise Mismatch(text, f"tokens drawn with shares {_shares(expected)}", f"shares {_shares(got)}", note + hint)
+
+    return Case(name, run, hint)
+
+
+def _batch_invariance(cls: Any) -> None:
+    rows = [
+        ([0.0, 1.0, 2.0, 0.5, -1.0], (0.7, 0, 1.0), 0.3),
+        ([3.0, 0.0, 0.0, 2.9, 1.0], (1.0, 2, 1.0), 0.9),
+        ([1.0, 1.0, 1.0, 1.0, 1.0], (1.5, 0, 0.5), 0.55),
+        ([-2.0, 4.0, 0.1, 0.2, 3.5], (0.5, 3, 0.8), 0.2),
+    ]
+    text = "four rows with different logits, (temperature, top_k, top_p) and uniforms, drawn together and one by one"
+    showing(text)
+    sampler = cls()
+    together = _draw(sampler, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+    alone = [_draw(sampler, [r[0]], [r[1]], [r[2]])[0] for r in rows]
+    again = _draw(sampler, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+    hint = (
+        "use only the uniform you are given, one per row: no torch.multinomial or torch.rand (a shared random"
+        " generator makes a row's token depend on the other rows and on earlier calls)"
+    )
+    if together != again:
+        raise Mismatch(text, f"the same tokens on every call: {together}", f"{together} then {again}", hint)
+    if together != alone:
+        raise Mismatch(text, f"the same tokens in a batch as alone: {alone}", f"{together} in the batch", hint)
+
+
+def _strategy() -> Any:
+    from hypothesis import strategies as st
+
+    logits = st.lists(st.integers(-30, 30).map(lambda v: v / 10), min_size=2, max_size=8)
+    params = st.tuples(
+        st.sampled_from([0.25, 0.5, 1.0, 2.0]), st.integers(0, 4), st.sampled_from([0.1, 0.45, 0.7, 0.95, 1.0])
+    )
+    return st.tuples(logits, params, st.integers(1, 99).map(lambda v: v / 100))
+
+
+def _property(cls: Any, example: Any) -> None:
+    from labkit.runtime.sampling import Sampler
+
+    logits, params, uniform = example
+    text = f"logits={logits}, (temperature, top_k, top_p)={params}, uniform={uniform}"
+    showing(text)
+    expected = _draw(Sampler(), [logits], [params], [uniform])
+    got = _draw(cls(), [logits], [params], [uniform])
+    if got != expected:
+        raise Mismatch(text, f"token {expected[0]}", f"token {got[0]}", "the first check above that fails says more")
+
+
+TEMPERATURE_HINT = "divide the logits by the temperature before the softmax: below 1 sharpens, above 1 flattens"
+TOP_K_HINT = "keep the top_k most likely tokens (all of them when top_k == 0), renormalise, then draw"
+TOP_P_HINT = (
+    "sort by probability and keep the smallest prefix whose mass reaches top_p: a token is dropped when the"
+    " mass before it is already >= top_p (the most likely token always stays)"
+)
+CASES = [
+    distribution_case(
+        "temperature 1 draws each token with its softmax probability",
+        "softmax the logits, sort descending, and pick the first token whose cumulative probability exceeds"
+        " uniform (inverse CDF)",
+        PROBS,
+        1.0,
+        0,
+        1.0,
+    ),
+    distribution_case("temperature below 1 sharpens the distribution", TEMPERATURE_HINT, PROBS, 0.5, 0, 1.0),
+    distribution_case("temperature above 1 flattens the distribution", TEMPERATURE_HINT, PROBS, 2.0, 0, 1.0),
+    distribution_case("top_k keeps the k most likely tokens", TOP_K_HINT, [0.1, 0.4, 0.2, 0.3], 1.0, 2, 1.0),
+    distribution_case("top_p keeps the smallest nucleus that reaches top_p", TOP_P_HINT, PROBS, 1.0, 0, 0.75),
+    distribution_case("top_p always keeps the most likely token", TOP_P_HINT, PROBS, 1.0, 0, 0.01),
+    distribution_case(
+        "top_k, then top_p on the renormalised rest",
+        "apply top_k first, renormalise what is left, then top_p on that: "
+        "the order in labkit is temperature, top_k, top_p",
+        [0.4, 0.3, 0.2, 0.1],
+        1.0,
+        3,
+        0.6,
+    ),
+    Case(
+        "a row draws the same token alone and in a batch",
+        _batch_invariance,
+        "rows are independent: row i's token depends only on row i's logits, parameters and uniform",
+    ),
+    property_case("random rows draw like labkit's sampler", _strategy, _property),
+]
+
+
+def _reference() -> Any:
+    from labkit.runtime.sampling import Sampler
+
+    return Sampler
+
+
+EXERCISE = Exercise(
+    number=6,
+    slug="sampling",
+    title="Sampling",
+    export="MySampler",
+    reference=_reference,
+    cases=CASES,
+)

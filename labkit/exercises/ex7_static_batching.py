@@ -1,0 +1,110 @@
+"""Checks for exercise 7, the static policy's admission rule (Scheduler.form_static_batch)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from labkit.core.config import EngineConfig
+from labkit.core.engine import Engine
+from labkit.core.report import StepReport
+from labkit.core.scheduler import Scheduler
+from labkit.exercises.engine_runs import Workload, config, lockstep, max_seqs_rule
+from labkit.exercises.framework import Case, Exercise, property_case
+
+PADDING_HINT = (
+    "a static batch is padded to its longest prompt: admit the next request only if the batch is empty or"
+    " (members + 1) * max(longest prompt so far, its prompt) <= max_batch_tokens"
+)
+RESERVE_HINT = (
+    "reserve each member's whole future up front: allocator.allocate(request_id,"
+    " num_prompt_tokens + params.max_new_tokens - 1) (the last token is never fed back, so it needs no slot)"
+)
+ORDER_HINT = "the first waiting request that does not fit ends the batch (break): never skip ahead of it"
+SEQS_HINT = "admit only while len(output.admitted) < self.config.max_num_seqs"
+
+
+def padded_rows_rule(engine: Engine, report: StepReport, cfg: EngineConfig) -> str | None:
+    if len(report.admitted) < 2:  # a prompt longer than the budget makes a batch of its own
+        return None
+    longest = max(engine.requests[i].num_prompt_tokens for i in report.admitted)
+    rows = len(report.admitted) * longest
+    if rows > cfg.max_batch_tokens:
+        return (
+            f"step {report.step} forms a batch of {len(report.admitted)} padded to {longest} tokens"
+            f" = {rows} rows, but max_batch_tokens is {cfg.max_batch_tokens}"
+        )
+    return None
+
+
+def reserve_rule(engine: Engine, report: StepReport) -> str | None:
+    allocator = engine.allocator
+    for request_id in report.admitted:
+        request = engine.requests[request_id]
+        if request.is_finished:  # a one-token request: its batch may be over already
+            continue
+        reserve = request.num_prompt_tokens + request.params.max_new_tokens - 1
+        have = len(allocator.block_tables.get(request_id, ())) * allocator.block_size
+        if have < reserve:
+            return f"r{request_id} was admitted with {have} slots reserved; it may need {reserve}"
+    return None
+
+
+RULES = [(padded_rows_rule, PADDING_HINT), (max_seqs_rule, SEQS_HINT)]
+
+
+def _case(name: str, workload: Workload, hint: str, **overrides: Any) -> Case:
+    cfg = config(policy="static", **overrides)
+    return Case(name, lambda cls: lockstep(cls, cfg, workload, hint, RULES, (reserve_rule, RESERVE_HINT)), hint)
+
+
+def _strategy() -> Any:
+    from hypothesis import strategies as st
+
+    request = st.tuples(st.integers(1, 12), st.integers(1, 10))
+    return st.tuples(
+        st.lists(request, min_size=1, max_size=7), st.integers(12, 32), st.integers(1, 4), st.integers(8, 40)
+    )
+
+
+def _property(cls: Any, example: Any) -> None:
+    workload, budget, seqs, blocks = example
+    cfg = config(policy="static", max_batch_tokens=budget, max_num_seqs=seqs, num_blocks=blocks)
+    workload = [(p, n) for p, n in workload if p + n - 1 <= blocks * cfg.block_size] or [(1, 1)]
+    hint = "the step above is the first one that differs from labkit's static policy"
+    lockstep(cls, cfg, workload, hint, RULES, (reserve_rule, RESERVE_HINT))
+
+
+CASES = [
+    _case(
+        "a batch admits waiting requests in arrival order",
+        [(4, 3), (6, 2), (5, 4)],
+        "walk self.waiting from the front, in order (do not pop: update() admits the planned batch);"
+        " allocate, then output.admitted.append(request); return output.admitted",
+    ),
+    _case("max_num_seqs caps a batch", [(3, 2)] * 5, SEQS_HINT, max_num_seqs=2),
+    _case(
+        "a batch's padded prompt rows fit max_batch_tokens",
+        [(3, 2), (10, 2), (4, 2), (2, 2)],
+        PADDING_HINT,
+        max_batch_tokens=24,
+    ),
+    _case(
+        "each member reserves its prompt and every token it may generate",
+        [(5, 9), (5, 9), (5, 9)],
+        RESERVE_HINT,
+        num_blocks=9,
+    ),
+    _case(
+        "the first request that does not fit ends the batch", [(4, 2), (12, 2), (3, 2)], ORDER_HINT, max_batch_tokens=16
+    ),
+    property_case("random workloads form the batches labkit forms", _strategy, _property, max_examples=40),
+]
+
+EXERCISE = Exercise(
+    number=7,
+    slug="static_batching",
+    title="Static against continuous",
+    export="MyScheduler",
+    reference=lambda: Scheduler,
+    cases=CASES,
+)

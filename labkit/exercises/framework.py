@@ -1,0 +1,282 @@
+"""How an exercise is checked: cases that raise a Mismatch, run against an implementation, turned into feedback.
+
+An :class:`Exercise` is a number, a title, the name the learner's file exports, labkit's own implementation
+(the reference) and a list of :class:`Case`. A case calls the implementation and raises :class:`Mismatch`
+with the input, what was expected, what came back and a hint. A property case draws its inputs with
+hypothesis, which shrinks a failure to the smallest counterexample before it is reported. A
+NotImplementedError means "not started"; any other exception is the learner's own error, shown with the
+frames of the learner's code only (``verbose=True`` shows the whole traceback).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import labkit
+
+LABKIT_DIR = Path(labkit.__file__).resolve().parent
+#: Where the learner's files are looked for when no path is given (besides ./exercises and .).
+EXERCISES_DIR_ENV = "LABKIT_EXERCISES_DIR"
+MAX_SHOWN = 600  # characters of one input/expected/got field
+
+
+class Mismatch(AssertionError):
+    """A case's verdict: the implementation did something other than the contract says."""
+
+    def __init__(self, input: str, expected: str, got: str, hint: str = "") -> None:
+        super().__init__(f"expected {expected}, got {got}")
+        self.input, self.expected, self.got, self.hint = input, expected, got, hint
+
+
+_current_input = [""]  # what the running case last handed to the learner's code, shown if that code raises
+
+
+def showing(input: str) -> None:
+    """Record the input a case is about to pass to the learner's code: an exception there is shown with it."""
+    _current_input[0] = input
+
+
+@dataclass(frozen=True)
+class Case:
+    """One check: ``run(implementation)`` returns when the implementation meets this part of the contract."""
+
+    name: str
+    run: Callable[[Any], None]
+    hint: str = ""  # shown when the case fails without a hint of its own (e.g. the learner's code raised)
+
+
+def property_case(
+    name: str, strategy: Callable[[], Any], test: Callable[[Any, Any], None], *, max_examples: int = 60, hint: str = ""
+) -> Case:
+    """A case that runs ``test(implementation, example)`` on examples drawn from the hypothesis ``strategy()``.
+
+    hypothesis shrinks a failing example before the Mismatch is re-raised, so the learner sees the
+    smallest input that breaks their code, marked as a counterexample.
+    """
+
+    def run(implementation: Any) -> None:
+        from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+
+        @settings(
+            max_examples=max_examples,
+            database=None,
+            derandomize=True,
+            deadline=None,
+            verbosity=Verbosity.quiet,
+            report_multiple_bugs=False,
+            print_blob=False,
+            phases=[Phase.explicit, Phase.generate, Phase.shrink],
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(strategy())
+        def check(example: Any) -> None:
+            test(implementation, example)
+
+        try:
+            check()
+        except Mismatch as mismatch:
+            mismatch.input = f"{mismatch.input}\n(the smallest counterexample hypothesis found)"
+            raise
+
+    return Case(name, run, hint)
+
+
+@dataclass(frozen=True)
+class Exercise:
+    number: int
+    slug: str  # the learner's file is exercises/ex{number}_{slug}.py
+    title: str
+    export: str  # the name that file defines: the implementation
+    reference: Callable[[], Any]  # labkit's own implementation, imported when asked for
+    cases: Sequence[Case]
+
+    @property
+    def filename(self) -> str:
+        return f"ex{self.number}_{self.slug}.py"
+
+
+@dataclass
+class Failure:
+    """One failing case, in words. ``kind`` is "mismatch", "error" (the code raised) or "not started"."""
+
+    case: str
+    kind: str
+    input: str = ""
+    expected: str = ""
+    got: str = ""
+    hint: str = ""
+    traceback: str = ""
+
+    def message(self) -> str:
+        if self.kind == "not started":
+            return f"· {self.case}: not started (raises NotImplementedError)"
+        lines = [f"✗ {self.case}"]
+        for label, text in (("input", self.input), ("expected", self.expected), ("got", self.got)):
+            if text:
+                lines.append(_field(label, text))
+        if self.traceback:
+            lines.append(_field("where", self.traceback))
+        if self.hint:
+            lines.append(_field("hint", self.hint))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, str]:
+        return dict(vars(self))
+
+
+@dataclass
+class CheckResult:
+    """What :func:`labkit.exercises.check` found. ``passed`` is True when every case passes."""
+
+    number: int
+    title: str
+    source: str  # where the implementation came from
+    num_cases: int
+    failures: list[Failure] = field(default_factory=list)
+    implementation: Any = None
+    load_error: str = ""  # the learner's file could not be found or imported
+
+    @property
+    def passed(self) -> bool:
+        return not self.load_error and not self.failures
+
+    @property
+    def num_passed(self) -> int:
+        return 0 if self.load_error else self.num_cases - len(self.failures)
+
+    @property
+    def status(self) -> str:
+        """ "passed", "failing" or "not started" (every case raised NotImplementedError, or no file yet)."""
+        if self.passed:
+            return "passed"
+        if self.load_error.startswith("no file") or (
+            self.failures
+            and len(self.failures) == self.num_cases
+            and all(f.kind == "not started" for f in self.failures)
+        ):
+            return "not started"
+        return "failing"
+
+    def report(self) -> str:
+        head = f"Exercise {self.number} · {self.title} ({self.source})"
+        if self.load_error:
+            return f"{head}\n{self.load_error}"
+        if self.passed:
+            return f"{head}\n✓ all {self.num_cases} checks pass"
+        if self.status == "not started":
+            return (
+                f'{head}\nnot started: every check raises NotImplementedError("Exercise {self.number}").'
+                f" Fill in the stubs, then check again ({self.num_cases} checks wait)."
+            )
+        parts = [f"{head}\n{self.num_passed} of {self.num_cases} checks pass"]
+        parts += [f.message() for f in self.failures if f.kind != "not started"]
+        waiting = [f.message() for f in self.failures if f.kind == "not started"]
+        return "\n\n".join(parts + (["\n".join(waiting)] if waiting else []))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "exercise": self.number,
+            "title": self.title,
+            "status": self.status,
+            "passed": self.num_passed,
+            "cases": self.num_cases,
+            "source": self.source,
+            "error": self.load_error,
+            "failures": [f.to_dict() for f in self.failures],
+        }
+
+    def __repr__(self) -> str:
+        return f"CheckResult(exercise={self.number}, status={self.status!r}, passed={self.num_passed}/{self.num_cases})"
+
+
+def run_case(case: Case, implementation: Any, *, verbose: bool = False) -> Failure | None:
+    """Run one case; None when it passes."""
+    _current_input[0] = ""
+    try:
+        case.run(implementation)
+    except NotImplementedError:
+        return Failure(case.name, "not started")
+    except Mismatch as mismatch:
+        return Failure(
+            case.name,
+            "mismatch",
+            _clip(mismatch.input),
+            _clip(mismatch.expected),
+            _clip(mismatch.got),
+            mismatch.hint or case.hint,
+            traceback.format_exc() if verbose else "",
+        )
+    except Exception as error:  # the learner's own error: show it, not labkit's internals
+        where = traceback.format_exc() if verbose else learner_frames(error)
+        got = f"your code raised {type(error).__name__}: {error}"
+        return Failure(case.name, "error", _clip(_current_input[0]), got=_clip(got), hint=case.hint, traceback=where)
+    return None
+
+
+def run_exercise(
+    exercise: Exercise, implementation: Any, source: str, *, verbose: bool = False, cases: Sequence[str] | None = None
+) -> CheckResult:
+    chosen = [c for c in exercise.cases if cases is None or c.name in cases]
+    result = CheckResult(exercise.number, exercise.title, source, len(chosen), implementation=implementation)
+    for case in chosen:
+        failure = run_case(case, implementation, verbose=verbose)
+        if failure is not None:
+            result.failures.append(failure)
+    return result
+
+
+def learner_frames(error: BaseException) -> str:
+    """The traceback frames outside labkit, the standard library and installed packages: the learner's code."""
+    library_dirs = {str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix)} | {str(LABKIT_DIR)}
+    frames = [
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if not any(str(Path(f.filename).resolve()).startswith(d) for d in library_dirs) or "<" in f.filename
+    ]
+    frames = [f for f in frames if "hypothesis" not in f.filename]
+    return "".join(traceback.format_list(frames)).rstrip()
+
+
+# ---------------------------------------------------------------------- the learner's file
+def find_learner_file(exercise: Exercise, path: str | os.PathLike[str] | None = None) -> Path | None:
+    """``path`` (a file, or its folder), else $LABKIT_EXERCISES_DIR, ./exercises, . and the repo's exercises/."""
+    if path is not None:
+        candidate = Path(path)
+        return candidate / exercise.filename if candidate.is_dir() else candidate
+    folders = [Path(os.environ[EXERCISES_DIR_ENV])] if os.environ.get(EXERCISES_DIR_ENV) else []
+    folders += [Path.cwd() / "exercises", Path.cwd(), LABKIT_DIR.parent / "exercises"]
+    for folder in folders:
+        if (folder / exercise.filename).is_file():
+            return folder / exercise.filename
+    return None
+
+
+def load_learner(exercise: Exercise, file: Path) -> Any:
+    """Import the learner's file afresh (edits since the last check count) and return what it exports."""
+    name = f"labkit_learner_ex{exercise.number}"
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {file}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    if not hasattr(module, exercise.export):
+        raise AttributeError(f"{file.name} defines no {exercise.export!r}")
+    return getattr(module, exercise.export)
+
+
+def _field(label: str, text: str) -> str:
+    pad = " " * 12
+    first, *rest = text.splitlines() or [""]
+    return f"  {label + ':':<10}{first}" + "".join(f"\n{pad}{line}" for line in rest)
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_SHOWN else text[: MAX_SHOWN - 3] + "..."

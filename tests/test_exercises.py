@@ -1,0 +1,624 @@
+"""The exercises' checker: every case fails on the untouched stubs and passes on labkit's own implementation,
+planted mistakes are reported with a message that points at them, and the references plugged into the
+engine's seams give labkit's own tokens."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from labkit import Engine, EngineConfig, SamplingParams
+from labkit.cli import main
+from labkit.core import prefix_cache
+from labkit.core.blocks import BlockAllocator, BlockEvent, NoFreeBlocksError
+from labkit.core.prefix_cache import PrefixCache, PrefixMatch
+from labkit.core.request import RequestState
+from labkit.core.scheduler import Scheduler, SchedulerOutput
+from labkit.exercises import check, exercises, get, load_implementation, reference
+from labkit.runtime.attention import paged_attention, slot_mapping
+from labkit.runtime.sampling import Sampler
+
+STUBS = Path(__file__).resolve().parents[1] / "exercises"
+NUMBERS = sorted(exercises())
+
+
+def test_there_are_at_least_eight_exercises_each_with_a_stub_and_a_notebook():
+    assert NUMBERS[:8] == [1, 2, 3, 4, 5, 6, 7, 8]
+    for number in NUMBERS:
+        exercise = get(number)
+        assert (STUBS / exercise.filename).is_file()
+        assert (STUBS / exercise.filename.replace(".py", ".ipynb")).is_file()
+
+
+@pytest.mark.parametrize("number", NUMBERS)
+def test_every_case_fails_on_the_untouched_stub(number):
+    result = check(number, path=STUBS, quiet=True)
+    assert result.status == "not started"
+    assert len(result.failures) == result.num_cases == len(get(number).cases)
+    assert all(f.kind == "not started" for f in result.failures)
+    assert not result.passed
+
+
+@pytest.mark.parametrize("number", NUMBERS)
+def test_every_case_passes_on_the_reference(number):
+    result = check(number, reference(number), quiet=True)
+    assert result.passed, result.report()
+    assert result.status == "passed" and result.num_passed == result.num_cases
+
+
+def test_the_references_are_labkits_own_implementation():
+    assert reference(1) is BlockAllocator
+    assert reference(2) is slot_mapping
+    assert reference(3) is Scheduler and reference(4) is Scheduler and reference(7) is Scheduler
+    assert reference(5) is paged_attention
+    assert reference(6) is Sampler
+    assert reference(8) is PrefixCache
+
+
+def failing(number, implementation):
+    result = check(number, implementation, quiet=True)
+    assert not result.passed
+    return result, {f.case: f.message() for f in result.failures}
+
+
+# ------------------------------------------------------------------ exercise 1: planted mistakes
+class LeakyFree(BlockAllocator):
+    """Forgets to return the last block of a request to the free queue."""
+
+    def free(self, request_id):
+        table = self.block_tables.pop(request_id)
+        del self.num_slots[request_id]
+        released = []
+        for block in table[:-1]:
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks.append(block)
+                released.append(block)
+                self.events.append(BlockEvent("free", block, request_id, self.step))
+        return released
+
+
+class GreedyAllocate(BlockAllocator):
+    """Takes blocks one by one and only then finds out there are not enough: not all or nothing."""
+
+    def allocate(self, request_id, num_tokens):
+        needed = self.blocks_needed(request_id, num_tokens)
+        table = self.block_tables.setdefault(request_id, [])
+        new = []
+        for _ in range(needed):
+            if not self.free_blocks:
+                raise NoFreeBlocksError("out of blocks")
+            block = self.free_blocks.popleft()
+            self.ref_counts[block] = 1
+            self.events.append(BlockEvent("alloc", block, request_id, self.step))
+            table.append(block)
+            new.append(block)
+        self.num_slots[request_id] = max(self.num_slots.get(request_id, 0), num_tokens)
+        return new
+
+
+class IgnoresRefCounts(BlockAllocator):
+    """Frees every block of the request, even one another request still shares."""
+
+    def free(self, request_id):
+        table = self.block_tables.pop(request_id)
+        del self.num_slots[request_id]
+        for block in table:
+            self.ref_counts[block] = 0
+            self.free_blocks.append(block)
+            self.events.append(BlockEvent("free", block, request_id, self.step))
+        return list(table)
+
+
+class SilentDoubleFree(BlockAllocator):
+    def free(self, request_id):
+        if request_id not in self.block_tables:
+            return []
+        return super().free(request_id)
+
+
+def test_ex1_planted_mistakes_are_named():
+    _, leak = failing(1, LeakyFree)
+    text = leak["free gives every block back to the end of the free queue"]
+    assert "free queue: [0, 1, 2]" in text and "free queue: [0, 1]" in text
+    _, greedy = failing(1, GreedyAllocate)
+    assert "all or nothing" in " ".join(greedy)
+    assert "NoFreeBlocksError and leave the free queue" in greedy["allocate is all or nothing when blocks run out"]
+    _, shared = failing(1, IgnoresRefCounts)
+    assert "reference count drops to 0" in shared["a shared block stays in use until its last reference is freed"]
+    _, double = failing(1, SilentDoubleFree)
+    assert list(double) == ["free of a request that owns nothing raises KeyError", *list(double)[1:]]
+    assert "raises KeyError" in double["free of a request that owns nothing raises KeyError"]
+
+
+# ------------------------------------------------------------------ exercise 2
+def slots_from_zero(segments, block_size, scratch):
+    return slot_mapping([s._replace(start=0) for s in segments], block_size, scratch)
+
+
+def slots_without_table(segments, block_size, scratch):
+    return slot_mapping([s._replace(block_table=range(99)) for s in segments], block_size, scratch)
+
+
+def slots_padding_real(segments, block_size, scratch):
+    return slot_mapping([s._replace(writes_cache=True, block_table=range(99)) for s in segments], block_size, scratch)
+
+
+def test_ex2_planted_mistakes_are_named():
+    _, zero = failing(2, slots_from_zero)
+    assert "start from s.start" in zero["a chunk that starts mid-block begins at its start position"]
+    _, table = failing(2, slots_without_table)
+    assert "ignore the block table" in table["a decode token is found through the block table"]
+    _, padding = failing(2, slots_padding_real)
+    assert "every one of its tokens goes to scratch_slot" in padding["padding rows write to the scratch slot"]
+
+
+# ------------------------------------------------------------------ exercise 3
+class LearnerScheduler(Scheduler):
+    """A plan-only schedule_continuous written from the contract; the subclasses below plant one mistake each."""
+
+    overspend = 0
+    prefill_first = False
+    max_seqs = True
+
+    def schedule_continuous(self):
+        cfg, allocator = self.config, self.allocator
+        output = SchedulerOutput(step=self.step_index + 1, chunks=[])
+        budget = cfg.max_batch_tokens + self.overspend
+        if self.prefill_first:
+            budget = self.admit_waiting(output, budget)
+        live = len(self.running)  # running[live:] are this step's victims
+        i = 0
+        while i < live and budget > 0:
+            request = self.running[i]
+            remaining = request.num_tokens - request.num_computed_tokens
+            n = min(remaining, budget)
+            if n < remaining and not cfg.chunked_prefill:
+                i += 1
+                continue
+            end = request.num_computed_tokens + n
+            while allocator.blocks_needed(request.request_id, end) > allocator.num_free_blocks and live > i:
+                live -= 1
+                self.preempt(output, self.running[live])
+            if live == i:
+                break
+            allocator.allocate(request.request_id, end)
+            output.add_chunk(request, request.num_computed_tokens, n, request.state is RequestState.PREFILLING)
+            budget -= n
+            i += 1
+        if not self.prefill_first and not output.preempted:
+            self.admit_waiting(output, budget)
+        return output
+
+    def admit_waiting(self, output, budget):
+        for request in self.waiting:
+            seats = not self.max_seqs or len(self.running) + len(output.admitted) < self.config.max_num_seqs
+            if budget <= 0 or not seats:
+                break
+            n = min(request.num_tokens, budget)
+            if n < request.num_tokens and not self.config.chunked_prefill:
+                break
+            if not self.allocator.can_allocate(request.request_id, n):
+                break
+            self.allocator.allocate(request.request_id, n)
+            output.admitted.append(request)
+            output.add_chunk(request, 0, n, True)
+            budget -= n
+        return budget
+
+
+class OverspendsByOne(LearnerScheduler):
+    overspend = 1
+
+
+class PrefillFirst(LearnerScheduler):
+    prefill_first = True
+
+
+class IgnoresMaxNumSeqs(LearnerScheduler):
+    max_seqs = False
+
+
+def test_ex3_a_scheduler_written_from_the_contract_passes():
+    assert check(3, LearnerScheduler, quiet=True).passed
+
+
+def test_ex3_planted_mistakes_are_named():
+    _, over = failing(3, OverspendsByOne)
+    text = over["a step never schedules more than max_batch_tokens"]
+    assert "schedules 17 tokens, but max_batch_tokens is 16" in text
+    _, order = failing(3, PrefillFirst)
+    text = order["running requests decode before new prompts are admitted"]
+    assert "got:      step 2: prefill r2 [0:10]" in text and "only then admit from self.waiting" in text
+    _, seqs = failing(3, IgnoresMaxNumSeqs)
+    assert "but max_num_seqs is 2" in seqs["max_num_seqs caps the running requests"]
+
+
+# ------------------------------------------------------------------ exercise 4
+class KeepsComputedTokens(Scheduler):
+    def requeue_preempted(self, victim):
+        computed = victim.num_computed_tokens
+        super().requeue_preempted(victim)
+        victim.num_computed_tokens = computed
+
+
+class NotListed(Scheduler):
+    def preempt(self, output, victim):
+        self.allocator.free(victim.request_id)
+
+
+class RequeuesAtTheBack(Scheduler):
+    def requeue_preempted(self, victim):
+        super().requeue_preempted(victim)
+        self.waiting.remove(victim)
+        self.waiting.append(victim)
+
+
+class KeepsItsBlocks(Scheduler):
+    def preempt(self, output, victim):
+        output.preempted.append(victim)
+
+
+def test_ex4_planted_mistakes_are_named():
+    _, computed = failing(4, KeepsComputedTokens)
+    assert "num_computed_tokens == 0" in computed["the victim's computed tokens restart at 0 and it waits again"]
+    _, listed = failing(4, NotListed)
+    assert "output.preempted.append(victim)" in listed["the plan lists the victim in output.preempted"]
+    _, back = failing(4, RequeuesAtTheBack)
+    assert "appendleft" in back["the victim goes to the front of the waiting queue"]
+    _, blocks = failing(4, KeepsItsBlocks)
+    assert "still owns blocks" in blocks["the victim's blocks all go back to the free queue"]
+
+
+def test_ex4_output_case_really_preempts():
+    from labkit.core.sim import SimulatedModel
+    from labkit.exercises.engine_runs import config, prompts
+
+    workload = [(10, 16), (9, 16), (11, 16), (8, 16)]
+    engine = Engine(SimulatedModel(), config(num_blocks=14, max_batch_tokens=24))
+    outs = engine.generate(prompts(workload), [SamplingParams(max_new_tokens=16, ignore_eos=True)] * 4)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+
+
+# ------------------------------------------------------------------ exercise 5
+def reads_one_past(q, k, v, table, context_len, scale):
+    return paged_attention(q, k, v, table, min(context_len + 1, len(table) * k.shape[2]), scale)[:, -q.shape[1] :]
+
+
+def blocks_in_id_order(q, k, v, table, context_len, scale):
+    return paged_attention(q, k, v, list(range(len(table))), context_len, scale)
+
+
+def not_causal(q, k, v, table, context_len, scale):
+    rows = [paged_attention(q[:, i : i + 1], k, v, table, context_len, scale) for i in range(q.shape[1])]
+    return torch.cat(rows, dim=1)
+
+
+def wrong_head_groups(q, k, v, table, context_len, scale):
+    heads, kv = q.shape[0], k.shape[0]
+    order = torch.arange(heads).view(kv, heads // kv).t().flatten()  # pairs query heads as repeat() would
+    out = paged_attention(q[order], k, v, table, context_len, scale)
+    return out[torch.argsort(order)]
+
+
+def test_ex5_planted_mistakes_are_named():
+    _, past = failing(5, reads_one_past)
+    assert "only partly filled" in past["a decode query over a context that ends mid-block"]
+    _, order = failing(5, blocks_in_id_order)
+    assert "block_table[p // block_size]" in order["blocks are read in block-table order"]
+    _, causal = failing(5, not_causal)
+    assert list(causal) == ["a prefill chunk attends causally", *list(causal)[1:]]
+    assert "-inf before the softmax" in causal["a prefill chunk attends causally"]
+    _, heads = failing(5, wrong_head_groups)
+    assert "repeat_interleave" in heads["grouped-query attention: query heads share KV heads"]
+
+
+# ------------------------------------------------------------------ exercise 6
+class TopPOneTooMany(Sampler):
+    def sample_rows(self, logits, temperature, top_k, top_p, uniform):
+        return super().sample_rows(logits, temperature, top_k, torch.clamp(top_p + 0.2, max=1.0), uniform)
+
+
+class MultipliesTemperature(Sampler):
+    def sample_rows(self, logits, temperature, top_k, top_p, uniform):
+        return super().sample_rows(logits, 1 / temperature, top_k, top_p, uniform)
+
+
+class TopKOffByOne(Sampler):
+    def sample_rows(self, logits, temperature, top_k, top_p, uniform):
+        return super().sample_rows(logits, temperature, torch.where(top_k > 0, top_k + 1, 0), top_p, uniform)
+
+
+class GlobalRandom(Sampler):
+    def sample_rows(self, logits, temperature, top_k, top_p, uniform):
+        return super().sample_rows(logits, temperature, top_k, top_p, torch.rand(uniform.shape, dtype=uniform.dtype))
+
+
+def test_ex6_planted_mistakes_are_named():
+    _, top_p = failing(6, TopPOneTooMany)
+    assert "drew token(s) [2], which the filters remove" in top_p["top_p keeps the smallest nucleus that reaches top_p"]
+    _, temperature = failing(6, MultipliesTemperature)
+    assert "divide the logits by the temperature" in temperature["temperature below 1 sharpens the distribution"]
+    _, top_k = failing(6, TopKOffByOne)
+    assert "drew token(s) [2]" in top_k["top_k keeps the k most likely tokens"]
+    _, rng = failing(6, GlobalRandom)
+    assert "no torch.multinomial or torch.rand" in rng["a row draws the same token alone and in a batch"]
+
+
+# ------------------------------------------------------------------ exercise 7
+class LearnerStatic(Scheduler):
+    """form_static_batch written from the contract; the subclasses below plant one mistake each."""
+
+    def fits(self, batch, request):
+        longest = max([r.num_prompt_tokens for r in batch] + [request.num_prompt_tokens])
+        return not batch or (len(batch) + 1) * longest <= self.config.max_batch_tokens
+
+    def reserve(self, request):
+        return request.num_prompt_tokens + request.params.max_new_tokens - 1
+
+    def form_static_batch(self, output):
+        for request in self.waiting:
+            if len(output.admitted) >= self.config.max_num_seqs:
+                break
+            fits = self.fits(output.admitted, request)
+            if fits and self.allocator.can_allocate(request.request_id, self.reserve(request)):
+                self.allocator.allocate(request.request_id, self.reserve(request))
+                output.admitted.append(request)
+            elif not self.skip_ahead:
+                break
+        return output.admitted
+
+    skip_ahead = False
+
+
+class SumsPrompts(LearnerStatic):
+    """Counts the batch's prompt tokens instead of its padded rows."""
+
+    def fits(self, batch, request):
+        return sum(r.num_prompt_tokens for r in [*batch, request]) <= self.config.max_batch_tokens
+
+
+class ReservesThePromptOnly(LearnerStatic):
+    def reserve(self, request):
+        return request.num_prompt_tokens
+
+
+class SkipsAhead(LearnerStatic):
+    skip_ahead = True
+
+
+def test_ex7_a_policy_written_from_the_contract_passes():
+    assert check(7, LearnerStatic, quiet=True).passed
+
+
+def test_ex7_planted_mistakes_are_named():
+    _, padded = failing(7, SumsPrompts)
+    assert (
+        "padded to 10 tokens = 40 rows, but max_batch_tokens is 24"
+        in padded["a batch's padded prompt rows fit max_batch_tokens"]
+    )
+    _, reserve = failing(7, ReservesThePromptOnly)
+    text = reserve["each member reserves its prompt and every token it may generate"]
+    assert "admitted [0, 1, 2]" in text and "reserve each member's whole future up front" in text
+    _, skip = failing(7, SkipsAhead)
+    assert "step 1: prefill r0 [0:4]; admitted [0]" in skip["the first request that does not fit ends the batch"]
+
+
+# ------------------------------------------------------------------ exercise 8: planted mistakes
+class BigEndianHash(PrefixCache):
+    """Packs the token ids big-endian: a digest no other engine (or trace) agrees with."""
+
+    @staticmethod
+    def block_hash(parent, token_ids):
+        digest = hashlib.sha256(parent or b"")
+        digest.update(struct.pack(f">{len(token_ids)}q", *token_ids))
+        return digest.digest()
+
+
+class UnchainedHash(PrefixCache):
+    """Hashes a block's own tokens only: the same tokens after another prefix collide."""
+
+    @staticmethod
+    def block_hash(parent, token_ids):
+        return hashlib.sha256(struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
+
+
+def _lookup(cache, request, *, serve_last=False, confirm=True, stop=True):
+    """labkit's match with one rule broken, for the planted mistakes below."""
+    size = cache.block_size
+    num_query = (request.num_tokens - (0 if serve_last else 1)) // size
+    if num_query == 0:
+        return PrefixMatch([], request.num_tokens, 0, "short")
+    digests, blocks, miss = cache.hashes(request, num_query), [], None
+    for index, digest in enumerate(digests[:num_query]):
+        entry = cache.index.get(digest)
+        tokens = tuple(request.tokens(index * size, (index + 1) * size))
+        stale = entry is not None and entry.block_id in cache.stale
+        if entry is None or stale or (confirm and entry.token_ids != tokens):
+            miss = miss or ("evicted" if stale or digest in cache.evicted else "new")
+            if stop:
+                break
+            continue
+        blocks.append(entry.block_id)
+    return PrefixMatch(blocks, request.num_tokens, num_query, miss)
+
+
+class ServesTheLastToken(PrefixCache):
+    def match(self, request):
+        return _lookup(self, request, serve_last=True)
+
+
+class TrustsTheDigest(PrefixCache):
+    def match(self, request):
+        return _lookup(self, request, confirm=False)
+
+
+class SkipsAMiss(PrefixCache):
+    def match(self, request):
+        return _lookup(self, request, stop=False)
+
+
+class EveryMissIsNew(PrefixCache):
+    def match(self, request):
+        found = PrefixCache.match(self, request)
+        return found._replace(miss="new") if found.miss == "evicted" else found
+
+
+def test_ex8_planted_mistakes_are_named():
+    _, messages = failing(8, BigEndianHash)
+    assert "block_hash is SHA-256 over the tokens as little-endian 8-byte ints" in messages
+    assert "'<' is little-endian" in messages["block_hash is SHA-256 over the tokens as little-endian 8-byte ints"]
+    _, messages = failing(8, UnchainedHash)
+    assert set(messages) == {"block_hash chains each block to its parent's digest"}
+    assert "hash the parent block's digest first" in messages["block_hash chains each block to its parent's digest"]
+    _, messages = failing(8, ServesTheLastToken)
+    text = messages["match never serves a request's last token"]
+    assert "num_query_blocks=2" in text and "num_query_blocks=3" in text and "logits to sample" in text
+    _, messages = failing(8, TrustsTheDigest)
+    assert "a digest can collide" in messages["a hit is confirmed against the token ids"]
+    _, messages = failing(8, SkipsAMiss)
+    assert "return at the first miss" in messages["match stops at the first block that misses"]
+    _, messages = failing(8, EveryMissIsNew)
+    assert "miss='evicted'" in messages["a miss says why: short, evicted or new"]
+
+
+def test_ex8_the_learners_cache_plugged_into_the_engine_gives_labkits_tokens(bundled):
+    # A cache written from the contract (the reference's own methods, copied into a subclass) serves a
+    # shared prompt through allocator_for(...): the same hits and the same tokens as labkit's own engine.
+    from labkit.exercises.ex8_block_hashing import allocator_for
+
+    class Copied(PrefixCache):
+        block_hash = staticmethod(prefix_cache.block_hash)
+
+        def match(self, request):
+            return PrefixCache.match(self, request)
+
+    model, tokenizer = bundled
+    system = "You are a helpful assistant who answers in the manner of Shakespeare's players.\n" * 2
+    prompts = [system + speaker for speaker in ("ROMEO:\n", "JULIET:\n", "Nurse:\n", "BRUTUS:\n")]
+    params = [SamplingParams(max_new_tokens=16, temperature=0.8, seed=i) for i in range(len(prompts))]
+    config = EngineConfig(block_size=8, num_blocks=48, max_batch_tokens=64, max_num_seqs=4, enable_prefix_caching=True)
+    plain = Engine(model, config, tokenizer).generate(prompts, params)
+    plugged_engine = Engine(model, config, tokenizer, allocator_cls=allocator_for(Copied))
+    assert isinstance(plugged_engine.allocator.prefix_cache, Copied)
+    plugged = plugged_engine.generate(prompts, params)
+    assert [o.output_token_ids for o in plugged] == [o.output_token_ids for o in plain]
+    assert [o.num_cached_tokens for o in plugged] == [o.num_cached_tokens for o in plain]
+    assert sum(o.num_cached_tokens for o in plain) > 0
+
+
+# ------------------------------------------------------------------ feedback, files, CLI
+def test_a_learner_error_is_shown_as_the_learners_own_without_labkit_frames():
+    def broken(segments, block_size, scratch):
+        return [segment.block_tabel for segment in segments]  # a typo
+
+    result = check(2, broken, quiet=True)
+    message = result.failures[0].message()
+    assert "your code raised AttributeError" in message and "block_tabel" in message
+    assert "in broken" in message and "labkit/exercises" not in message and "Segment(start=" in message
+    verbose = check(2, broken, quiet=True, verbose=True).failures[0].message()
+    assert "labkit/exercises" in verbose  # the whole traceback when asked
+
+
+def test_check_prints_feedback_and_imports_the_file_afresh(tmp_path, capsys):
+    file = tmp_path / "ex2_slot_mapping.py"
+    file.write_text("def slot_mapping(segments, block_size, scratch_slot):\n    return []\n")
+    result = check(2, path=tmp_path)
+    assert result.status == "failing" and "✗ a prompt's first token" in capsys.readouterr().out
+    file.write_text("from labkit.runtime.attention import slot_mapping\n")
+    assert check(2, path=tmp_path, quiet=True).passed
+    file.write_text("def slot_mapping(:\n")
+    broken = check(2, path=tmp_path, quiet=True)
+    assert broken.status == "failing" and "your file does not load: SyntaxError" in broken.load_error
+    _, _, missing = load_implementation(get(2), tmp_path / "nowhere")
+    assert "check(2, slot_mapping)" in missing
+
+
+def test_labkit_check_prints_progress_and_json(tmp_path, capsys):
+    (tmp_path / "ex1_block_allocator.py").write_text(
+        "from labkit.core.blocks import BlockAllocator as MyBlockAllocator\n"
+    )
+    for number in NUMBERS[1:]:
+        name = get(number).filename
+        (tmp_path / name).write_text((STUBS / name).read_text())
+    assert main(["check", "--path", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "Block allocator" in out and "passed" in out and "not started" in out and "1 of 8 exercises pass" in out
+    assert main(["check", "1", "--json", "--path", str(tmp_path)]) == 0
+    [entry] = json.loads(capsys.readouterr().out)
+    assert entry["status"] == "passed" and entry["passed"] == entry["cases"] == len(get(1).cases)
+
+
+# ------------------------------------------------------------------ the references inside the engine
+@pytest.fixture(scope="module")
+def bundled():
+    from labkit.models import load
+
+    torch.set_num_threads(1)
+    return load("tiny-shakespeare")
+
+
+def test_references_plugged_into_every_seam_give_labkits_tokens(bundled):
+    model, tokenizer = bundled
+    prompts = ["ROMEO:\n", "JULIET:\n", "Nurse:\n", "BRUTUS:\n", "KING RICHARD III:\n"]
+    params = [SamplingParams(max_new_tokens=60, temperature=0.8, top_k=20, top_p=0.9, seed=i) for i in range(5)]
+    for policy in ("continuous", "static"):
+        config = EngineConfig(block_size=4, num_blocks=24, max_batch_tokens=32, max_num_seqs=4, policy=policy)
+        plain = Engine(model, config, tokenizer).generate(prompts, params)
+        plugged = Engine(
+            model,
+            config,
+            tokenizer,
+            allocator_cls=reference(1),
+            scheduler_cls=reference(3),
+            slot_mapping_fn=reference(2),
+            attention_fn=reference(5),
+            sampler=reference(6)(),
+        ).generate(prompts, params)
+        assert [o.output_token_ids for o in plugged] == [o.output_token_ids for o in plain]
+        if policy == "continuous":
+            assert sum(o.metrics.num_preemptions for o in plain) > 0  # the small cache exercises preemption
+
+
+def test_the_fast_attention_path_agrees_with_paged_attention(tiny_model):
+    model = tiny_model()
+    config = EngineConfig(block_size=4, num_blocks=64, max_batch_tokens=24, max_num_seqs=4, dtype="float32")
+    prompts = [[5 + i + j for j in range(3 + 5 * i)] for i in range(4)]
+    params = SamplingParams(max_new_tokens=12)
+    fast = Engine(model, config).generate(prompts, params)
+    slow = Engine(model, config, attention_fn=paged_attention).generate(prompts, params)
+    assert [o.output_token_ids for o in slow] == [o.output_token_ids for o in fast]
+
+
+def test_seams_refuse_what_they_cannot_use(tiny_model):
+    from labkit.core.sim import SimulatedModel
+
+    with pytest.raises(TypeError, match="attention_fn: a SimulatedModel computes no attention"):
+        Engine(SimulatedModel(), EngineConfig(num_blocks=8), attention_fn=paged_attention)
+    with pytest.raises(TypeError, match="sampler must be callable"):
+        Engine(tiny_model(), EngineConfig(num_blocks=8), sampler=3)
+    bad = Engine(tiny_model(), EngineConfig(num_blocks=8), attention_fn=lambda q, k, v, t, n, s: q[:, :1, :1])
+    bad.add_request([3, 4, 5], SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="attention_fn must return a tensor of the query's shape"):
+        bad.step()
+
+
+def test_an_exception_in_learner_code_surfaces_as_its_own(tiny_model):
+    def broken(segments, block_size, scratch_slot):
+        raise ZeroDivisionError("learner's bug")
+
+    model = tiny_model()
+    engine = Engine(model, EngineConfig(num_blocks=8), slot_mapping_fn=broken)
+    request_id = engine.add_request([3, 4, 5], SamplingParams(max_new_tokens=2))
+    with pytest.raises(ZeroDivisionError, match="learner's bug"):
+        engine.step()
+    engine.runner.slot_mapping_fn = slot_mapping  # the learner fixes the bug: the same engine carries on
+    while engine.has_unfinished():
+        engine.step()
+    expected = Engine(model, EngineConfig(num_blocks=8)).generate([[3, 4, 5]], SamplingParams(max_new_tokens=2))
+    assert engine.output(request_id).output_token_ids == expected[0].output_token_ids

@@ -58,7 +58,7 @@ def test_block_hash_chains_over_the_parent_and_is_the_same_in_every_process():
 def test_a_hash_collision_is_caught_by_comparing_the_tokens(monkeypatch):
     # Every block hashes the same: the index can hold one block, and a lookup must still never hand out
     # a block whose tokens (or parent) differ from the request's.
-    monkeypatch.setattr(prefix_cache, "block_hash", lambda parent, tokens: b"same")
+    monkeypatch.setattr(prefix_cache.PrefixCache, "block_hash", staticmethod(lambda parent, tokens: b"same"))
     engine = caching_engine()
     engine.generate([[*PREFIX, 1, 2]], SamplingParams(max_new_tokens=1))
     other, same = engine.generate([[7] * 12 + [3], [*PREFIX, 4]], SamplingParams(max_new_tokens=1))

@@ -12,8 +12,9 @@ strings), so a trace or an exercise can name blocks by hash. A lookup also compa
 and parent digest with the request's, so a hash collision can never silently hand out the wrong block.
 
 A cached block that no request references any more stays in the index, *reusable*, until its slot is
-needed for new tokens; then the least recently used one is evicted. The digests of the last few thousand
-evicted blocks are remembered, so a later miss on one can be told apart from a prefix never seen.
+needed for new tokens; then the least recently used one is evicted. The digests of recently evicted
+blocks (four per block of the cache) are remembered, so a later miss on one can be told apart from a
+prefix never seen.
 
 Every change is journalled through ``record_undo`` (the allocator's, see labkit.core.blocks), so a failed
 engine step leaves the index and the reusable blocks, in their order, exactly as they were.

@@ -96,8 +96,9 @@ class Request:
     ``num_computed_tokens`` counts the tokens whose keys and values are in the KV cache; the
     scheduler compares it with ``num_tokens`` to know whether the request still has prefill to do
     or is decoding. After a preemption it drops to 0 and the request is recomputed. With prefix
-    caching, ``block_hashes`` are the digests of its full blocks (computed once, extended as it grows)
-    and ``num_cached_tokens`` the prompt tokens its first admission found in the cache.
+    caching, ``block_hashes`` are the digests of its full blocks (a memo, extended as it grows: a step
+    that is rolled back may leave it longer, which changes nothing) and ``num_cached_tokens`` the prompt
+    tokens its first admission found in the cache.
     """
 
     request_id: int

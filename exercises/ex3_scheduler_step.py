@@ -4,7 +4,8 @@ Before every model step the scheduler *plans* which requests run and how many to
 All of them share one budget, ``self.config.max_batch_tokens``. Fill in ``schedule_continuous``; the
 state it reads and the helpers it calls are labkit's (``labkit.core.scheduler.Scheduler``):
 
-* ``self.running``: requests in the batch, in admission order; ``self.waiting``: a deque, in arrival order;
+* ``self.running``: requests in the batch, in admission order; ``self.waiting``: the waiting queue, in arrival
+  order (iterate over it);
 * ``self.allocator``: the block allocator (``blocks_needed``, ``num_free_blocks``, ``can_allocate``, ``allocate``);
 * ``request.num_tokens`` (prompt + generated so far) and ``request.num_computed_tokens`` (already in the cache);
 * ``output.add_chunk(request, start, n, is_prefill)``: plan the request's tokens ``start .. start + n - 1``;

@@ -5,7 +5,7 @@ finished. labkit's ``Scheduler`` calls ``form_static_batch`` at that moment (pol
 prefills every member, padded to the longest prompt, and decodes them together until the last one is
 done. Fill in ``form_static_batch``; the state it uses is labkit's:
 
-* ``self.waiting``: a deque in arrival order (read it; ``update`` takes the admitted requests off it);
+* ``self.waiting``: the waiting queue, in arrival order (read it; ``update`` takes the admitted requests off it);
 * ``self.allocator.can_allocate(request_id, n)`` and ``self.allocator.allocate(request_id, n)``;
 * ``output.admitted``: the planned batch.
 

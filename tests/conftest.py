@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any
@@ -47,7 +48,7 @@ class Boom(Exception):
 
 
 def engine_state(engine: Any) -> tuple:
-    """Everything a step may change: the scheduler, the allocator and every request."""
+    """Everything a step may change: the scheduler, the allocator (its prefix cache too) and every request."""
     scheduler, allocator = engine.scheduler, engine.allocator
     requests = [
         (
@@ -64,6 +65,20 @@ def engine_state(engine: Any) -> tuple:
         )
         for r in engine.requests.values()
     ]
+    cache = allocator.prefix_cache
+    prefix = (
+        None
+        if cache is None
+        else (
+            dict(cache.index),
+            dict(cache.digest_of),
+            list(cache.reusable),  # in LRU order
+            list(cache.evicted),  # oldest first
+            dict(allocator.num_indexed),
+            dataclasses.astuple(allocator.prefix_stats),
+            [r.num_cached_tokens for r in engine.requests.values()],
+        )
+    )
     return (
         scheduler.step_index,
         [r.request_id for r in scheduler.waiting],
@@ -77,4 +92,5 @@ def engine_state(engine: Any) -> tuple:
         allocator.step,
         requests,
         [r.request_id for r in engine._aborted],
+        prefix,
     )

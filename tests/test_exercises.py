@@ -4,7 +4,9 @@ engine's seams give labkit's own tokens."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,9 @@ import torch
 
 from labkit import Engine, EngineConfig, SamplingParams
 from labkit.cli import main
+from labkit.core import prefix_cache
 from labkit.core.blocks import BlockAllocator, BlockEvent, NoFreeBlocksError
+from labkit.core.prefix_cache import PrefixCache, PrefixMatch
 from labkit.core.request import RequestState
 from labkit.core.scheduler import Scheduler, SchedulerOutput
 from labkit.exercises import check, exercises, get, load_implementation, reference
@@ -23,8 +27,8 @@ STUBS = Path(__file__).resolve().parents[1] / "exercises"
 NUMBERS = sorted(exercises())
 
 
-def test_there_are_at_least_seven_exercises_each_with_a_stub_and_a_notebook():
-    assert NUMBERS[:7] == [1, 2, 3, 4, 5, 6, 7]
+def test_there_are_at_least_eight_exercises_each_with_a_stub_and_a_notebook():
+    assert NUMBERS[:8] == [1, 2, 3, 4, 5, 6, 7, 8]
     for number in NUMBERS:
         exercise = get(number)
         assert (STUBS / exercise.filename).is_file()
@@ -53,6 +57,7 @@ def test_the_references_are_labkits_own_implementation():
     assert reference(3) is Scheduler and reference(4) is Scheduler and reference(7) is Scheduler
     assert reference(5) is paged_attention
     assert reference(6) is Sampler
+    assert reference(8) is PrefixCache
 
 
 def failing(number, implementation):
@@ -404,6 +409,109 @@ def test_ex7_planted_mistakes_are_named():
     assert "step 1: prefill r0 [0:4]; admitted [0]" in skip["the first request that does not fit ends the batch"]
 
 
+# ------------------------------------------------------------------ exercise 8: planted mistakes
+class BigEndianHash(PrefixCache):
+    """Packs the token ids big-endian: a digest no other engine (or trace) agrees with."""
+
+    @staticmethod
+    def block_hash(parent, token_ids):
+        digest = hashlib.sha256(parent or b"")
+        digest.update(struct.pack(f">{len(token_ids)}q", *token_ids))
+        return digest.digest()
+
+
+class UnchainedHash(PrefixCache):
+    """Hashes a block's own tokens only: the same tokens after another prefix collide."""
+
+    @staticmethod
+    def block_hash(parent, token_ids):
+        return hashlib.sha256(struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
+
+
+def _lookup(cache, request, *, serve_last=False, confirm=True, stop=True):
+    """labkit's match with one rule broken, for the planted mistakes below."""
+    size = cache.block_size
+    num_query = (request.num_tokens - (0 if serve_last else 1)) // size
+    if num_query == 0:
+        return PrefixMatch([], request.num_tokens, 0, "short")
+    digests, blocks, miss = cache.hashes(request, num_query), [], None
+    for index, digest in enumerate(digests[:num_query]):
+        entry = cache.index.get(digest)
+        tokens = tuple(request.tokens(index * size, (index + 1) * size))
+        stale = entry is not None and entry.block_id in cache.stale
+        if entry is None or stale or (confirm and entry.token_ids != tokens):
+            miss = miss or ("evicted" if stale or digest in cache.evicted else "new")
+            if stop:
+                break
+            continue
+        blocks.append(entry.block_id)
+    return PrefixMatch(blocks, request.num_tokens, num_query, miss)
+
+
+class ServesTheLastToken(PrefixCache):
+    def match(self, request):
+        return _lookup(self, request, serve_last=True)
+
+
+class TrustsTheDigest(PrefixCache):
+    def match(self, request):
+        return _lookup(self, request, confirm=False)
+
+
+class SkipsAMiss(PrefixCache):
+    def match(self, request):
+        return _lookup(self, request, stop=False)
+
+
+class EveryMissIsNew(PrefixCache):
+    def match(self, request):
+        found = PrefixCache.match(self, request)
+        return found._replace(miss="new") if found.miss == "evicted" else found
+
+
+def test_ex8_planted_mistakes_are_named():
+    _, messages = failing(8, BigEndianHash)
+    assert "block_hash is SHA-256 over the tokens as little-endian 8-byte ints" in messages
+    assert "'<' is little-endian" in messages["block_hash is SHA-256 over the tokens as little-endian 8-byte ints"]
+    _, messages = failing(8, UnchainedHash)
+    assert set(messages) == {"block_hash chains each block to its parent's digest"}
+    assert "hash the parent block's digest first" in messages["block_hash chains each block to its parent's digest"]
+    _, messages = failing(8, ServesTheLastToken)
+    text = messages["match never serves a request's last token"]
+    assert "num_query_blocks=2" in text and "num_query_blocks=3" in text and "logits to sample" in text
+    _, messages = failing(8, TrustsTheDigest)
+    assert "a digest can collide" in messages["a hit is confirmed against the token ids"]
+    _, messages = failing(8, SkipsAMiss)
+    assert "return at the first miss" in messages["match stops at the first block that misses"]
+    _, messages = failing(8, EveryMissIsNew)
+    assert "miss='evicted'" in messages["a miss says why: short, evicted or new"]
+
+
+def test_ex8_the_learners_cache_plugged_into_the_engine_gives_labkits_tokens(bundled):
+    # A cache written from the contract (the reference's own methods, copied into a subclass) serves a
+    # shared prompt through allocator_for(...): the same hits and the same tokens as labkit's own engine.
+    from labkit.exercises.ex8_block_hashing import allocator_for
+
+    class Copied(PrefixCache):
+        block_hash = staticmethod(prefix_cache.block_hash)
+
+        def match(self, request):
+            return PrefixCache.match(self, request)
+
+    model, tokenizer = bundled
+    system = "You are a helpful assistant who answers in the manner of Shakespeare's players.\n" * 2
+    prompts = [system + speaker for speaker in ("ROMEO:\n", "JULIET:\n", "Nurse:\n", "BRUTUS:\n")]
+    params = [SamplingParams(max_new_tokens=16, temperature=0.8, seed=i) for i in range(len(prompts))]
+    config = EngineConfig(block_size=8, num_blocks=48, max_batch_tokens=64, max_num_seqs=4, enable_prefix_caching=True)
+    plain = Engine(model, config, tokenizer).generate(prompts, params)
+    plugged_engine = Engine(model, config, tokenizer, allocator_cls=allocator_for(Copied))
+    assert isinstance(plugged_engine.allocator.prefix_cache, Copied)
+    plugged = plugged_engine.generate(prompts, params)
+    assert [o.output_token_ids for o in plugged] == [o.output_token_ids for o in plain]
+    assert [o.num_cached_tokens for o in plugged] == [o.num_cached_tokens for o in plain]
+    assert sum(o.num_cached_tokens for o in plain) > 0
+
+
 # ------------------------------------------------------------------ feedback, files, CLI
 def test_a_learner_error_is_shown_as_the_learners_own_without_labkit_frames():
     def broken(segments, block_size, scratch):
@@ -440,7 +548,7 @@ def test_labkit_check_prints_progress_and_json(tmp_path, capsys):
         (tmp_path / name).write_text((STUBS / name).read_text())
     assert main(["check", "--path", str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    assert "Block allocator" in out and "passed" in out and "not started" in out and "1 of 7 exercises pass" in out
+    assert "Block allocator" in out and "passed" in out and "not started" in out and "1 of 8 exercises pass" in out
     assert main(["check", "1", "--json", "--path", str(tmp_path)]) == 0
     [entry] = json.loads(capsys.readouterr().out)
     assert entry["status"] == "passed" and entry["passed"] == entry["cases"] == len(get(1).cases)

@@ -407,3 +407,155 @@ def test_a_request_whose_blocks_a_failed_step_reused_is_recomputed(model):
     for request_id in victims:
         assert engine.requests[request_id].output_token_ids == expected[ids.index(request_id)]
     assert engine.num_free_blocks == engine.num_blocks
+
+
+# ---------------------------------------------------------------------------------------------------- prefix caching
+
+
+def shared_prefix_workload(seed: int, vocab: int, block_size: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts built from three shared prefixes of 1-3 blocks, some repeated whole, some a prefix of another."""
+    rng = random.Random(seed)
+    heads = [[rng.randrange(3, vocab) for _ in range(block_size * n)] for n in (1, 2, 3)]
+    prompts = []
+    for _ in range(12):
+        head = rng.choice(heads)
+        kind = rng.random()
+        if kind < 0.2 and prompts:
+            prompts.append(list(rng.choice(prompts)))  # identical to an earlier prompt
+        elif kind < 0.35:
+            prompts.append(head[: rng.randint(1, len(head))])  # a prefix of a cached one
+        else:
+            prompts.append(head + [rng.randrange(3, vocab) for _ in range(rng.randint(0, 9))])
+    params = [
+        SamplingParams(max_new_tokens=rng.randint(1, 12), priority=rng.randint(0, 2), ignore_eos=True) for _ in prompts
+    ]
+    return prompts, params
+
+
+def inject_prefix_cache(engine: Engine, faults: Faults) -> None:
+    """Fail inside the prefix cache: while planning (a hit, an eviction) and while committing (indexing a block)."""
+    cache = engine.allocator.prefix_cache
+    faults.wrap(cache, "revive", after=True)
+    faults.wrap(cache, "evict_lru", after=True)
+    faults.wrap(cache, "insert", after=True)
+    faults.wrap(engine.allocator, "cache_full_blocks")
+
+
+def check_prefix_run(engine: Engine, reports: list[dict]) -> None:
+    """The run hit, evicted and preempted (or the test would be weak), and ended with every block free or reusable."""
+    cache = engine.allocator.prefix_cache
+    assert len(engine.allocator.free_blocks) + len(cache.reusable) == engine.num_blocks
+    assert set(engine.allocator.ref_counts) == {0} and engine.allocator.num_indexed == {}
+    kinds = {e[0] for r in reports for e in r["block_events"]}
+    assert {"hit", "cache", "evict"} <= kinds, kinds
+    assert any(r["preempted"] for r in reports), "the workload should preempt"
+
+
+@pytest.mark.parametrize("where", ["runner", "allocator", "prefix-cache", "listener"])
+@pytest.mark.parametrize("scheduling", ["fcfs", "priority", "shortest-first"])
+@pytest.mark.parametrize("seed", range(3))
+def test_failed_steps_change_nothing_with_prefix_caching_simulated(scheduling, where, seed):
+    # 12 blocks of 4 slots: the three prefixes (6 blocks) and the running requests do not all fit, so cached
+    # blocks are evicted and requests preempted. Every failure must leave the index, the reusable blocks in
+    # their LRU order and the per-step counts as they were (run() compares engine_state before and after).
+    config = EngineConfig(
+        block_size=4,
+        num_blocks=12,
+        max_batch_tokens=12,
+        max_num_seqs=4,
+        enable_prefix_caching=True,
+        scheduling=scheduling,
+    )
+    model = SimulatedModel(vocab_size=200)
+    prompts, params = shared_prefix_workload(seed, 200, block_size=4)
+    reference = Engine(model, config)
+    expected, expected_reports, _ = run(reference, prompts, params)
+    check_prefix_run(reference, expected_reports)
+    engine = Engine(model, config)
+    faults = Faults(rate=0.25, seed=seed)
+    if where == "prefix-cache":
+        inject_prefix_cache(engine, faults)
+    else:
+        inject(engine, faults, where)
+    outputs, reports, failures = run(engine, prompts, params)
+    assert failures == faults.raised > 0
+    assert outputs == expected
+    assert reports == expected_reports
+    check_prefix_run(engine, reports)
+    cached = [engine.requests[i].num_cached_tokens for i in sorted(engine.requests)]
+    assert cached == [reference.requests[i].num_cached_tokens for i in sorted(reference.requests)]
+    assert any(cached)
+
+
+@pytest.mark.parametrize("where", ["runner", "forward", "prefix-cache"])
+@pytest.mark.parametrize("scheduling", ["fcfs", "priority"])
+def test_failed_steps_change_nothing_with_prefix_caching_and_a_real_model(model, scheduling, where):
+    # Greedy outputs with failures equal transformers' generate, prompt by prompt.
+    config = EngineConfig(
+        block_size=8,
+        num_blocks=8,
+        max_batch_tokens=24,
+        max_num_seqs=4,
+        dtype=torch.float32,
+        enable_prefix_caching=True,
+        scheduling=scheduling,
+    )
+    prompts, params = shared_prefix_workload(5, model.config.vocab_size, block_size=8)
+    params = [dataclasses.replace(p, max_new_tokens=min(p.max_new_tokens, 8)) for p in params]
+    references = []
+    for prompt, p in zip(prompts, params, strict=True):
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=p.max_new_tokens)
+        references.append((out[0, len(prompt) :].tolist(), "length"))
+    engine = Engine(model, config)
+    faults = Faults(rate=0.3, seed=3)
+    if where == "prefix-cache":
+        inject_prefix_cache(engine, faults)
+    else:
+        inject(engine, faults, where)
+    outputs, reports, failures = run(engine, prompts, params)
+    assert failures == faults.raised > 0
+    assert outputs == references
+    check_prefix_run(engine, reports)
+
+
+def test_cached_blocks_a_failed_step_reused_are_never_handed_out(model):
+    # A: a prompt of two full blocks and a bit, run to the end: its two blocks are cached and reusable.
+    # B: a different prompt that needs every free block, so its step evicts A's cached blocks and the
+    # forward pass writes B's keys and values into them; then the step fails and is rolled back: A's
+    # blocks are back in the index, but hold B's keys and values. B is aborted, so no retry evicts them.
+    # C repeats A's prompt: it must not hit the overwritten blocks, and its tokens are generate's.
+    config = EngineConfig(
+        block_size=8, num_blocks=6, max_batch_tokens=64, dtype=torch.float32, enable_prefix_caching=True
+    )
+    rng = random.Random(7)
+    vocab = model.config.vocab_size
+    prompt_a = [rng.randrange(3, vocab) for _ in range(19)]
+    prompt_b = [rng.randrange(3, vocab) for _ in range(6 * 8 - 1)]
+    engine = Engine(model, config)
+    (first,) = engine.generate([prompt_a], SamplingParams(max_new_tokens=1))
+    assert len(engine.allocator.prefix_cache.reusable) == 2
+    real_forward = engine.runner._forward
+
+    def forward(*args: Any) -> Any:
+        real_forward(*args)
+        raise Boom("after the forward pass wrote into the evicted blocks")
+
+    engine.runner._forward = forward
+    b = engine.add_request(prompt_b, SamplingParams(max_new_tokens=1))
+    before = engine_state(engine)
+    with pytest.raises(Boom):
+        engine.step()
+    assert engine_state(engine) == before
+    assert engine.allocator.prefix_cache.stale == set(engine.allocator.prefix_cache.reusable)
+    engine.runner._forward = real_forward
+    engine.abort(b)
+    (again,) = engine.generate([prompt_a], SamplingParams(max_new_tokens=6))
+    ids = torch.tensor([prompt_a])
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6)
+    assert again.output_token_ids == expected[0, len(prompt_a) :].tolist()
+    assert again.num_cached_tokens == 0  # the overwritten blocks were missed...
+    assert first.output_token_ids == again.output_token_ids[:1]
+    (third,) = engine.generate([prompt_a], SamplingParams(max_new_tokens=2))
+    assert third.num_cached_tokens == 16  # ...and the prefix cached afresh by the recomputation
+    assert third.output_token_ids == again.output_token_ids[:2]

@@ -288,6 +288,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     policy = "continuous"
     chunked_prefill = True
+    scheduling = "fcfs"
+    bound_factor = 1  # priority may displace and recompute requests: more steps to finish
 
     @initialize(
         block_size=st.sampled_from([1, 2, 4]),
@@ -304,6 +306,7 @@ class EngineMachine(RuleBasedStateMachine):
             max_num_seqs=min(max_num_seqs, max_batch_tokens),
             policy=self.policy,
             chunked_prefill=self.chunked_prefill,
+            scheduling=self.scheduling,
         )
         self.model = SimulatedModel(mean_output_len=mean_output_len)
         self.engine = Engine(self.model, self.config)
@@ -322,8 +325,8 @@ class EngineMachine(RuleBasedStateMachine):
             return True
         return (prompt_len if self.policy == "static" else needed) <= self.config.max_batch_tokens
 
-    def try_add(self, prompt: list[int], max_new_tokens: int) -> None:
-        params = SamplingParams(max_new_tokens=max_new_tokens)
+    def try_add(self, prompt: list[int], max_new_tokens: int, priority: int = 0) -> None:
+        params = SamplingParams(max_new_tokens=max_new_tokens, priority=priority)
         if self.fits(len(prompt), max_new_tokens):
             self.accepted.append(self.engine.add_request(prompt, params))
         else:
@@ -386,7 +389,12 @@ class EngineMachine(RuleBasedStateMachine):
             assert report.padding == []
         if report.preempted:
             event("a step preempted")
-            assert report.admitted == [], "admitted new work in a step that had to evict"
+            if self.scheduling == "priority":  # a better request may displace worse ones, and start at once
+                rank = {r: (self.engine.requests[r].params.priority, r) for r in report.preempted + report.admitted}
+                for a in report.admitted:
+                    assert all(a == p or rank[a] < rank[p] for p in report.preempted), "displaced a better request"
+            else:
+                assert report.admitted == [], "admitted new work in a step that had to evict"
         for work in report.scheduled:
             request = self.engine.requests[work.request_id]
             if request.state is not RequestState.WAITING:
@@ -443,7 +451,8 @@ class EngineMachine(RuleBasedStateMachine):
         # No livelock: each step the oldest running request computes at least one more of its at most
         # prompt + max_new_tokens tokens, and it is never preempted (it fits the cache alone). So the sum of
         # those sizes bounds the steps left; a static batch needs fewer steps than its members' sizes too.
-        bound = 1 + sum(r.num_prompt_tokens + r.params.max_new_tokens for r in engine.scheduler.requests.values())
+        sizes = [r.num_prompt_tokens + r.params.max_new_tokens for r in engine.scheduler.requests.values()]
+        bound = self.bound_factor * (1 + sum(sizes))
         for _ in range(bound):
             if not engine.has_unfinished():
                 break
@@ -487,7 +496,23 @@ class StaticUnchunked(EngineMachine):
     policy, chunked_prefill = "static", False
 
 
+class ContinuousPriority(EngineMachine):
+    scheduling, bound_factor = "priority", 8
+
+    @rule(data=st.data())
+    def add_ranked_request(self, data):
+        prompt = data.draw(st.lists(st.integers(2, 40), min_size=1, max_size=self.capacity + 1), label="prompt")
+        max_new_tokens = data.draw(st.integers(1, self.capacity // 2 + 2), label="max_new_tokens")
+        self.try_add(prompt, max_new_tokens, data.draw(st.integers(0, 2), label="priority"))
+
+
+class ContinuousShortestFirst(EngineMachine):
+    scheduling = "shortest-first"
+
+
 TestContinuousChunked = as_test(ContinuousChunked)
 TestContinuousUnchunked = as_test(ContinuousUnchunked)
 TestStaticChunked = as_test(StaticChunked)
 TestStaticUnchunked = as_test(StaticUnchunked)
+TestContinuousPriority = as_test(ContinuousPriority)
+TestContinuousShortestFirst = as_test(ContinuousShortestFirst)

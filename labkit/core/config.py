@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 POLICIES = ("continuous", "static")
+SCHEDULING = ("fcfs", "priority", "shortest-first")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEFAULT_MAX_NUM_SEQS = 64
 
@@ -23,6 +24,13 @@ class EngineConfig:
     CUDA when present, else CPU; ``dtype=None`` keeps the model's dtype. ``pack_weights`` lets a CPU
     runner keep a second copy of the linear weights in oneDNN's layout, which makes the linear layers
     1.3-1.8x faster on steps of 4-64 rows (see labkit.runtime.packed); it has no effect on CUDA.
+
+    ``enable_prefix_caching`` lets requests share the cached blocks of a common prompt prefix
+    (labkit.core.prefix_cache; continuous policy only). ``scheduling`` orders the waiting queue
+    (labkit.core.queues): ``"fcfs"`` by arrival, ``"priority"`` by ``SamplingParams.priority`` (and a
+    waiting request may preempt a running one it outranks), ``"shortest-first"`` by expected tokens
+    with ageing.
+
     ``attention_backend`` picks the paged attention: ``"torch"`` (plain torch, the reference),
     ``"triton"`` (one fused kernel per layer, labkit.runtime.triton_attention) or ``"auto"`` (Triton on
     CUDA when it is installed, torch otherwise). ``use_cuda_graph`` replays decode-only steps as CUDA
@@ -38,6 +46,8 @@ class EngineConfig:
     device: str = "auto"
     dtype: Any = None
     pack_weights: bool = True
+    enable_prefix_caching: bool = False
+    scheduling: str = "fcfs"
     attention_backend: str = "auto"
     use_cuda_graph: bool | None = None
 
@@ -56,9 +66,15 @@ class EngineConfig:
             )
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        for name in ("chunked_prefill", "pack_weights"):
+        if self.scheduling not in SCHEDULING:
+            raise ValueError(f"scheduling must be one of {SCHEDULING}, got {self.scheduling!r}")
+        for name in ("chunked_prefill", "pack_weights", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.enable_prefix_caching and self.policy == "static":
+            raise ValueError(
+                "enable_prefix_caching needs policy='continuous': the static baseline prefills whole padded prompts"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.use_cuda_graph is not None and not isinstance(self.use_cuda_graph, bool):

@@ -78,7 +78,7 @@ class Engine:
         config: EngineConfig | None = None,
         tokenizer: Any = None,
         *,
-        allocator_cls: Callable[[int, int], BlockAllocator] = BlockAllocator,
+        allocator_cls: Callable[..., BlockAllocator] = BlockAllocator,
         scheduler_cls: Callable[[EngineConfig, BlockAllocator], Scheduler] = Scheduler,
         slot_mapping_fn: Callable[..., list[int]] | None = None,
         attention_fn: Callable[..., Any] | None = None,
@@ -94,7 +94,10 @@ class Engine:
         self.runner = make_runner(model, config, **{name: part for name, part in parts.items() if part is not None})
         self.clock = self.runner.clock
         num_blocks = self.runner.init_cache(config.block_size, config.num_blocks)
-        self.allocator = allocator_cls(num_blocks, config.block_size)
+        if config.enable_prefix_caching:
+            self.allocator = allocator_cls(num_blocks, config.block_size, enable_prefix_caching=True)
+        else:
+            self.allocator = allocator_cls(num_blocks, config.block_size)
         self.scheduler = scheduler_cls(config, self.allocator)
         self.requests: dict[int, Request] = {}
         self.step_listeners: list[Callable[[StepReport], None]] = []
@@ -177,6 +180,7 @@ class Engine:
             text=text,
             finish_reason=request.finish_reason,
             metrics=request.metrics,
+            num_cached_tokens=request.num_cached_tokens or 0,
         )
 
     # ------------------------------------------------------------------ stepping
@@ -329,6 +333,7 @@ class Engine:
             preempted=[r.request_id for r in output.preempted],
             finished={r.request_id: r.finish_reason for r in finished},
             block_events=self.allocator.drain_events(),
+            prefix_cache=self.allocator.drain_prefix_stats() if self.config.enable_prefix_caching else None,
             num_free_blocks=self.allocator.num_free_blocks,
             num_blocks=self.allocator.num_blocks,
             block_size=self.allocator.block_size,

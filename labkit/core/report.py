@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from labkit.core.blocks import BlockEvent
+from labkit.core.prefix_cache import PrefixCacheStats
 
 TRACE_VERSION = 1
 
@@ -49,6 +50,7 @@ class StepReport:
     block_size: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    prefix_cache: PrefixCacheStats | None = None  # this step's prefix-cache lookups (None: caching off)
     gpu_util: float | None = None  # GPU utilisation (%) that a listener sampled from NVML after the step, if any
 
     @property
@@ -85,22 +87,33 @@ class StepReport:
     def describe(self) -> list[str]:
         """The step's events in words, as the block map's event log shows them."""
         lines = []
-        allocs: dict[int, list[int]] = {}
-        frees: dict[int, list[int]] = {}
+        by_kind: dict[str, dict[int, list[int]]] = {}
         for event in self.block_events:
-            (allocs if event.kind == "alloc" else frees).setdefault(event.request_id, []).append(event.block_id)
+            by_kind.setdefault(event.kind, {}).setdefault(event.request_id, []).append(event.block_id)
+        frees, released = by_kind.get("free", {}), by_kind.get("release", {})
+
+        def shared(rid: int) -> str:  # references dropped to blocks that other requests still hold
+            blocks = released.pop(rid, [])
+            return f", released shared block{_s(blocks)} {_ids(blocks)}" if blocks else ""
+
         for rid in self.admitted:
             lines.append(f"step {self.step}: request {rid} admitted")
-        for rid, blocks in allocs.items():
-            lines.append(f"step {self.step}: request {rid} took block{_s(blocks)} {_ids(blocks)}")
+        for kind, verb in (("hit", "reused cached"), ("evict", "evicted cached"), ("alloc", "took")):
+            for rid, blocks in by_kind.get(kind, {}).items():
+                lines.append(f"step {self.step}: request {rid} {verb} block{_s(blocks)} {_ids(blocks)}")
+        for rid, blocks in by_kind.get("cache", {}).items():
+            lines.append(f"step {self.step}: request {rid} cached full block{_s(blocks)} {_ids(blocks)}")
         for rid in self.preempted:
-            lines.append(f"step {self.step}: request {rid} preempted, freed blocks {_ids(frees.pop(rid, []))}")
+            freed = frees.pop(rid, [])
+            lines.append(f"step {self.step}: request {rid} preempted, freed blocks {_ids(freed)}{shared(rid)}")
         for rid, reason in self.finished.items():
             freed = frees.pop(rid, [])
             tail = f" and freed block{_s(freed)} {_ids(freed)}" if freed else ""
-            lines.append(f"step {self.step}: request {rid} finished ({reason}){tail}")
+            lines.append(f"step {self.step}: request {rid} finished ({reason}){tail}{shared(rid)}")
         for rid, blocks in frees.items():
-            lines.append(f"step {self.step}: request {rid} freed block{_s(blocks)} {_ids(blocks)}")
+            lines.append(f"step {self.step}: request {rid} freed block{_s(blocks)} {_ids(blocks)}{shared(rid)}")
+        for rid, blocks in released.items():
+            lines.append(f"step {self.step}: request {rid} released shared block{_s(blocks)} {_ids(blocks)}")
         return lines
 
     def to_dict(self) -> dict[str, Any]:
@@ -134,6 +147,8 @@ class StepReport:
             data["finished"] = {int(k): v for k, v in data.get("finished", {}).items()}
         except (AttributeError, TypeError, ValueError):
             raise ValueError("'finished' must map request ids to finish reasons") from None
+        if data.get("prefix_cache") is not None:
+            data["prefix_cache"] = _prefix_cache_stats(data["prefix_cache"])
         report = cls(**data)
         for work in report.scheduled + report.padding:
             for name in ("start", "num_tokens"):
@@ -153,6 +168,15 @@ _INT_FIELDS = frozenset(("step", "num_free_blocks", "num_blocks", "block_size", 
 def _check(name: str, value: Any, kinds: type | tuple[type, ...], what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
+def _prefix_cache_stats(data: Any) -> PrefixCacheStats:
+    names = [f.name for f in fields(PrefixCacheStats)]
+    if not isinstance(data, dict) or set(data) != set(names):
+        raise ValueError(f"'prefix_cache' must be null or an object with the integers {', '.join(names)}")
+    for name in names:
+        _check(f"prefix_cache.{name}", data[name], int, "an integer")
+    return PrefixCacheStats(**data)
 
 
 def _rows(name: str, rows: Any, row_type: type[NamedTuple]) -> list[Any]:

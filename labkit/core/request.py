@@ -31,6 +31,7 @@ class SamplingParams:
     filters off. A ``seed`` (an int >= 0) makes sampling reproducible per request: the same request draws
     the same tokens whether it runs alone, in a batch, or is preempted and recomputed. Numbers may be
     any real or integral type (numpy's included); they are stored as Python floats and ints.
+    ``priority`` matters only under ``EngineConfig(scheduling="priority")``: lower numbers run first.
     """
 
     max_new_tokens: int = 64
@@ -40,6 +41,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    priority: int = 0
 
     def __post_init__(self) -> None:
         # Any real number is accepted (numpy's float32 as well as float64) and stored as a plain float or int,
@@ -65,6 +67,7 @@ class SamplingParams:
         self._set("stop_token_ids", tuple(_as_int("stop_token_ids item", t) for t in self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+        self._set("priority", _as_int("priority", self.priority))
 
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)  # the dataclass is frozen; only __post_init__ normalizes
@@ -92,7 +95,10 @@ class Request:
 
     ``num_computed_tokens`` counts the tokens whose keys and values are in the KV cache; the
     scheduler compares it with ``num_tokens`` to know whether the request still has prefill to do
-    or is decoding. After a preemption it drops to 0 and the request is recomputed.
+    or is decoding. After a preemption it drops to 0 and the request is recomputed. With prefix
+    caching, ``block_hashes`` are the digests of its full blocks (a memo, extended as it grows: a step
+    that is rolled back may leave it longer, which changes nothing) and ``num_cached_tokens`` the prompt
+    tokens its first admission found in the cache.
     """
 
     request_id: int
@@ -104,6 +110,8 @@ class Request:
     num_computed_tokens: int = 0
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
+    num_cached_tokens: int | None = None
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
     stop_ids: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -157,6 +165,7 @@ class RequestOutput:
     text: str | None
     finish_reason: str | None
     metrics: RequestMetrics
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -170,6 +179,7 @@ class RequestOutput:
             "text": self.text,
             "finish_reason": self.finish_reason,
             "metrics": vars(self.metrics).copy(),
+            "num_cached_tokens": self.num_cached_tokens,
         }
 
 

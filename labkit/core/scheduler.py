@@ -7,10 +7,12 @@ separate "prefill phase": prompts and decodes go into the same packed batch (as 
 Two policies:
 
 * ``"continuous"`` - running requests go first, oldest first; then waiting requests are admitted in
-  arrival order while budget, ``max_num_seqs`` and free blocks allow. Long prompts are split into
-  chunks (chunked prefill). A finished request frees its blocks at once. When a running request
-  needs a block and none is free, the most recently admitted request is preempted and later
-  recomputed from scratch.
+  the waiting queue's order while budget, ``max_num_seqs`` and free blocks allow. Long prompts are
+  split into chunks (chunked prefill). A finished request frees its blocks at once. When a running
+  request needs a block and none is free, the last running request (the most recently admitted, or
+  under ``"priority"`` the lowest-ranked) is preempted and later recomputed from scratch. With prefix
+  caching, an admitted request starts from the cached blocks of its prompt's longest cached prefix
+  and computes only the rest; the blocks a step's tokens fill are indexed when it commits.
 * ``"static"`` - the classic padded batch: a new batch starts only when the previous one has fully
   finished; each member reserves blocks for prompt + ``max_new_tokens`` up front; finished members
   keep their row (computed and thrown away) until the longest member is done. Those rows, and the
@@ -20,6 +22,9 @@ Two policies:
   budget; a prompt longer than the budget forms a batch of its own (it has nothing to pad) and is
   prefilled in chunks of the budget, as continuous batching would. Decoding starts once every
   member's prompt is in.
+
+The order of the waiting queue is the scheduling policy (``labkit.core.queues``): first come first
+served, by priority (a waiting request may preempt a running one it outranks), or shortest first.
 
 A step is a plan and then a commit. ``schedule()`` only *plans*: it reads the queues and requests
 and returns a SchedulerOutput, and the only state it changes is the allocator's (blocks for the
@@ -32,13 +37,13 @@ else was touched. A subclass keeps that contract by changing requests and queues
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from labkit.core.blocks import BlockAllocator
 from labkit.core.config import EngineConfig
+from labkit.core.queues import QUEUES
 from labkit.core.request import Request, RequestState
 
 
@@ -65,6 +70,7 @@ class SchedulerOutput:
     padding: list[ScheduledChunk] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_cached_tokens: dict[int, int] = field(default_factory=dict)  # admitted request id -> tokens from the cache
 
     def add_chunk(self, request: Request, start: int, num_tokens: int, is_prefill: bool) -> None:
         """Plan tokens ``start .. start + num_tokens - 1`` of ``request``; reaching its last token samples."""
@@ -91,11 +97,12 @@ class Scheduler:
     def __init__(self, config: EngineConfig, allocator: BlockAllocator) -> None:
         self.config = config
         self.allocator = allocator
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self.waiting = QUEUES[config.scheduling]()
+        self.running: list[Request] = []  # in the queue's order (admission, or rank): the last is preempted first
         self.requests: dict[int, Request] = {}  # every unfinished request, by id
         self.step_index = 0
         self.evict_first: list[Request] = []  # preempted by a step that failed: see rollback()
+        self.prefix_caching = getattr(allocator, "prefix_cache", None) is not None
 
     # ------------------------------------------------------------------ requests in and out
     def check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
@@ -126,7 +133,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request, self.step_index)
 
     def abort(self, request_id: int, now: float) -> Request:
         """Finish a request with reason ``"abort"``; raise KeyError if no such request is unfinished."""
@@ -169,8 +176,9 @@ class Scheduler:
     def update(self, output: SchedulerOutput, sampled: Sequence[int], now: float) -> list[Request]:
         """Commit the planned step with the tokens the model produced (one per sampling chunk, in order).
 
-        What can fail comes first, while the allocator can still roll back: the check of ``sampled`` and
-        freeing the blocks of the requests this step finishes (a plugged-in allocator may raise). Then
+        What can fail comes first, while the allocator can still roll back: the check of ``sampled``,
+        indexing the blocks this step filled (prefix caching) and freeing the blocks of the requests this
+        step finishes (a plugged-in allocator may raise). Then
         the allocator commits and the plan is applied with plain assignments: the queues, each chunk's
         ``num_computed_tokens``, the new tokens. Returns the requests that finished.
         """
@@ -179,6 +187,9 @@ class Scheduler:
             raise ValueError(f"the step samples {len(sampling)} tokens, but the model returned {len(sampled)}")
         reasons = list(map(Request.finish_reason_for, sampling, sampled))
         finishing = [r for r, why in zip(sampling, reasons, strict=True) if why] if any(reasons) else []
+        if self.prefix_caching:  # the step wrote these tokens' keys and values: index the blocks they filled
+            for chunk in output.chunks:
+                self.allocator.cache_full_blocks(chunk.request, chunk.start + chunk.num_tokens)
         ends_batch = self._free_finished(output, finishing)
         self.allocator.commit()  # the point of no return
 
@@ -186,10 +197,14 @@ class Scheduler:
         self.evict_first = []
         if output.preempted:  # they were the end of the running list
             del self.running[len(self.running) - len(output.preempted) :]
-        self.running.extend(output.admitted)
         for request in output.admitted:  # they were the head of the queue
             self.waiting.popleft()
+            self.waiting.place(self.running, request)
             request.state = RequestState.PREFILLING
+        for request_id, num_cached in output.num_cached_tokens.items():
+            request = self.requests[request_id]
+            if request.num_cached_tokens is None:  # a recomputation does not count again
+                request.num_cached_tokens = num_cached
         for victim in output.preempted:
             self.requeue_preempted(victim)
 
@@ -239,19 +254,40 @@ class Scheduler:
     def schedule_continuous(self) -> SchedulerOutput:
         """Plan one continuous-batching step within the token budget (exercise 3).
 
-        Running requests first, in admission order, each with its next decode token or prompt chunk;
-        when one needs a block and none is free, the most recently admitted running request is
-        preempted (:meth:`preempt`). Then waiting requests are admitted in arrival order while budget,
-        ``max_num_seqs`` and free blocks allow, unless this step preempted. A prompt that does not fit
-        the budget is chunked when ``chunked_prefill`` is on, and otherwise waits for a step with room.
+        Running requests first, in order, each with its next decode token or prompt chunk; when one
+        needs a block and none is free, the last running request (the most recently admitted, or the
+        lowest-ranked) is preempted (:meth:`preempt`). Then waiting requests are admitted in the queue's
+        order while budget, ``max_num_seqs`` and free blocks allow, unless this step preempted. A prompt
+        that does not fit the budget is chunked when ``chunked_prefill`` is on, and otherwise waits for a
+        step with room. Under ``"priority"``, waiting requests that outrank the last running one are
+        admitted first, displacing it if they must.
         """
         cfg, allocator, running = self.config, self.allocator, self.running
         output = SchedulerOutput(step=self.step_index + 1, chunks=[])
         budget = cfg.max_batch_tokens
+        waiting = iter(self.waiting)  # admissions take the queue's head in order, across both loops below
+        head = next(waiting, None)
 
-        i, end_of_running = 0, len(running)  # victims leave from the end: running[end_of_running:]
+        end_of_running = len(running)  # victims leave from the end: running[end_of_running:]
+        if self.waiting.preempts:  # priority: a waiting request that outranks the last running one goes first
+            while head is not None and budget > 0 and end_of_running > 0:
+                last = running[end_of_running - 1]
+                if not self.waiting.outranks(head, last):
+                    break
+                if used := self._admit(output, head, budget, end_of_running):
+                    budget -= used
+                    head = next(waiting, None)
+                elif not cfg.chunked_prefill and head.num_tokens > budget:
+                    break  # it needs a step with more budget, not more room
+                else:  # displace the lowest-ranked running request
+                    end_of_running -= 1
+                    self.preempt(output, last)
+        displaced = len(output.preempted)
+
+        i = 0
         # A failed step's victims (still the end of the list, unless aborted since) must not run.
-        end_of_runnable = end_of_running - sum(1 for r in self.evict_first if r.state is not RequestState.FINISHED)
+        num_evict_first = sum(1 for r in self.evict_first if r.state is not RequestState.FINISHED)
+        end_of_runnable = min(end_of_running, len(running) - num_evict_first)
         while i < end_of_runnable and budget > 0:
             request = running[i]
             remaining = request.num_tokens - request.num_computed_tokens
@@ -263,7 +299,7 @@ class Scheduler:
             needed = allocator.blocks_needed(request.request_id, end)  # usually 0: decodes fill the last block
             while needed > allocator.num_free_blocks and end_of_running > i:
                 end_of_running -= 1
-                self.preempt(output, running[end_of_running])  # the most recently admitted
+                self.preempt(output, running[end_of_running])  # the most recently admitted, or lowest-ranked
             if end_of_running == i:  # preempted itself: nothing younger was left
                 break
             end_of_runnable = min(end_of_runnable, end_of_running)
@@ -275,22 +311,38 @@ class Scheduler:
             end_of_running -= 1
             self.preempt(output, running[end_of_running])
 
-        # Admit new work only when nothing had to be preempted: otherwise we would evict and admit at once.
-        seats = cfg.max_num_seqs - len(running)
-        for request in self.waiting:
-            if budget <= 0 or output.preempted or len(output.admitted) >= seats:
-                break
-            remaining = request.num_tokens
-            num_tokens = min(remaining, budget)
-            if num_tokens < remaining and not cfg.chunked_prefill:
-                break
-            if not allocator.can_allocate(request.request_id, num_tokens):
-                break
-            allocator.allocate(request.request_id, num_tokens)
-            output.admitted.append(request)
-            output.add_chunk(request, 0, num_tokens, True)
-            budget -= num_tokens
+        # Admit new work only when no running request had to be preempted for blocks: otherwise we would
+        # evict and admit at once. (Displacing lower-ranked requests for a better one, above, is the point.)
+        if len(output.preempted) == displaced:
+            while head is not None and budget > 0 and (used := self._admit(output, head, budget, end_of_running)):
+                budget -= used
+                head = next(waiting, None)
         return output
+
+    def _admit(self, output: SchedulerOutput, request: Request, budget: int, num_running: int) -> int:
+        """Plan to admit ``request`` with its first chunk if a seat, the budget and the blocks allow.
+
+        Returns the chunk's tokens, or 0 if it cannot start now (``num_running``: running requests that
+        stay this step). With prefix caching it starts from the cached blocks of its longest cached
+        prefix, and its first chunk is the rest of its tokens.
+        """
+        cfg, allocator = self.config, self.allocator
+        if num_running + len(output.admitted) >= cfg.max_num_seqs:
+            return 0
+        prefix = allocator.match_prefix(request) if self.prefix_caching else None
+        start = len(prefix.blocks) * allocator.block_size if prefix is not None else 0
+        remaining = request.num_tokens - start
+        num_tokens = min(remaining, budget)
+        if num_tokens < remaining and not cfg.chunked_prefill:
+            return 0
+        if not allocator.can_allocate(request.request_id, start + num_tokens, prefix):
+            return 0
+        allocator.allocate(request.request_id, start + num_tokens, prefix)
+        output.admitted.append(request)
+        if prefix is not None:
+            output.num_cached_tokens[request.request_id] = start
+        output.add_chunk(request, start, num_tokens, True)
+        return num_tokens
 
     def preempt(self, output: SchedulerOutput, victim: Request) -> None:
         """Plan to preempt ``victim`` (exercise 4): free all its blocks now and list it in ``output.preempted``."""
@@ -298,7 +350,7 @@ class Scheduler:
         output.preempted.append(victim)
 
     def requeue_preempted(self, victim: Request) -> None:
-        """Commit a preemption (exercise 4): ``victim`` waits again, at the front, to be recomputed from scratch.
+        """Commit a preemption (exercise 4): ``victim`` waits again, first in line, to be recomputed from scratch.
 
         Its keys and values went with its blocks, so ``num_computed_tokens`` restarts at 0; it keeps the
         tokens it generated, so recomputing prompt + output gives the same next tokens as before.
@@ -306,7 +358,7 @@ class Scheduler:
         victim.state = RequestState.WAITING
         victim.num_computed_tokens = 0
         victim.metrics.num_preemptions += 1
-        self.waiting.appendleft(victim)
+        self.waiting.requeue(victim)
 
     # ------------------------------------------------------------------ static batching
     def _schedule_static(self) -> SchedulerOutput:
@@ -365,3 +417,4 @@ class Scheduler:
         request.finish_reason = reason
         request.metrics.finish_time = now
         del self.requests[request.request_id]
+        self.waiting.forget(request)

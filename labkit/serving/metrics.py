@@ -14,7 +14,7 @@ Per request (seconds on the run's clock; ``n`` = number of output tokens):
 
 Per run: throughputs over the run's duration (first arrival to last finish), mean/median/p90/p99 of
 the latencies (ITL pooled over all requests), goodput under latency targets, peak KV-cache usage and
-preemptions, and, on CUDA, peak GPU memory and utilisation.
+preemptions, prefill tokens computed and prefix-cache hits, and, on CUDA, peak GPU memory and utilisation.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from labkit.core.prefix_cache import PrefixCacheStats
 from labkit.core.report import StepReport
 from labkit.core.request import RequestOutput
 
@@ -102,6 +103,7 @@ class StepStats:
     kv_usage: float
     wasted_slots: int
     num_preempted: int
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache this step
 
 
 def step_stats(report: StepReport) -> StepStats:
@@ -116,6 +118,7 @@ def step_stats(report: StepReport) -> StepStats:
         kv_usage=report.kv_usage,
         wasted_slots=report.wasted_slots,
         num_preempted=len(report.preempted),
+        prefix_hit_tokens=report.prefix_cache.hit_tokens if report.prefix_cache is not None else 0,
     )
 
 
@@ -221,6 +224,8 @@ class RunMetrics:
     wasted_slots: int | None = None
     peak_gpu_memory_bytes: int | None = None
     gpu_utilization: float | None = None  # mean percent busy, sampled through NVML
+    num_prefill_tokens: int | None = None  # prompt tokens the model computed (recomputations included)
+    prefix_cache: PrefixCacheStats | None = None  # the run's prefix-cache lookups (None: caching off)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -278,7 +283,15 @@ def run_metrics(
         wasted_slots=sum(r.wasted_slots for r in reports) if reports else None,
         peak_gpu_memory_bytes=peak_gpu_memory_bytes,
         gpu_utilization=gpu_utilization,
+        num_prefill_tokens=sum(r.num_prefill_tokens for r in reports) if reports else None,
+        prefix_cache=sum_prefix_stats(reports),
     )
+
+
+def sum_prefix_stats(reports: Iterable[StepReport]) -> PrefixCacheStats | None:
+    """The prefix-cache lookups of a whole run, step by step added up; None if caching was off."""
+    steps = [r.prefix_cache for r in reports if r.prefix_cache is not None]
+    return sum(steps, PrefixCacheStats()) if steps else None
 
 
 # ---------------------------------------------------------------------------------------------- GPU

@@ -4,7 +4,10 @@ Watching the grid is the quickest way to see paging at work: a request grows one
 blocks need not be neighbours, a finished request's blocks turn grey at once and are reused in the next
 step, and under the static policy whole rows of blocks sit reserved (pale) for tokens never generated.
 Each cell's colour is its owner's (stable per request); its shade says how many of the block's slots
-hold keys and values. Play, step or drag the slider to travel through the recorded steps.
+hold keys and values. With prefix caching, a block shared by several requests is drawn dark, labelled
+with its first owner and how many more hold it (hover lists them all), and a freed block that still holds
+a cached prefix is drawn pale green: it counts as free, but a request with that prefix can reuse it.
+Play, step or drag the slider to travel through the recorded steps.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from labkit.viz.replay import BlockCell, CacheHistory, CacheState, RequestRow
 
 PALETTE = [*qualitative.Plotly, *(c for c in qualitative.D3 if c.upper() != "#7F7F7F")]  # no grey: grey is free
 FREE_COLOR = "#e6e6e6"
+REUSABLE_COLOR = "#c7e9c0"  # free, but holds a cached prefix that a later request can reuse
+SHARED_COLOR = "#2f3e46"  # in several requests' block tables at once
 EMPTY_SHADE = 0.25  # how much colour an owned block with no filled slot keeps
 MIN_SPEED, MAX_SPEED = 0.25, 30.0  # playback, in steps per second
 
@@ -111,7 +116,7 @@ class BlockMap(Displayable):
             go.Heatmap(
                 colorscale=_colorscale(),
                 zmin=-1,
-                zmax=len(PALETTE),
+                zmax=len(PALETTE) + 2,
                 showscale=False,
                 xgap=gap,
                 ygap=gap,
@@ -137,15 +142,27 @@ class BlockMap(Displayable):
         z: list[list[float | None]] = []
         text: list[list[str]] = []
         hover: list[list[str]] = []
+        owners = state.owners() if state.cached else {}
         for cell in state.cells():
             if cell.block_id % self.columns == 0:
                 z.append([])
                 text.append([])
                 hover.append([])
-            if cell.owner is None:
+            if cell.owner is None and cell.block_id in state.cached:
+                z[-1].append(len(PALETTE) + 0.5)
+                text[-1].append("")
+                hover[-1].append(f"block {cell.block_id}<br>free, cached: reusable")
+            elif cell.owner is None:
                 z[-1].append(-0.5)
                 text[-1].append("")
                 hover[-1].append(f"block {cell.block_id}<br>free")
+            elif cell.refs > 1:
+                z[-1].append(len(PALETTE) + 1.5)
+                text[-1].append(f"{cell.owner}+{cell.refs - 1}")
+                hover[-1].append(
+                    f"block {cell.block_id}<br>shared by requests {', '.join(map(str, owners[cell.block_id]))}"
+                    f"<br>{cell.filled}/{size} slots filled<br>refs {cell.refs}"
+                )
             else:
                 band = cell.owner % len(PALETTE)
                 z[-1].append(band + 0.01 + 0.98 * cell.filled / size)
@@ -166,10 +183,16 @@ class BlockMap(Displayable):
         step = self.recorder.reports[state.num_applied - 1].step
         used = state.num_blocks - self.recorder.reports[state.num_applied - 1].num_free_blocks
         filled = sum(state.computed.values())
-        return (
+        title = (
             f"KV cache after step {step}: {used}/{state.num_blocks} blocks in use,"
             f" {filled}/{used * state.block_size} of their slots filled"
         )
+        if state.cached:
+            cells = state.cells()
+            shared = sum(1 for c in cells if c.refs > 1)
+            reusable = sum(1 for c in cells if c.owner is None and c.block_id in state.cached)
+            title += f"; {shared} shared, {reusable} cached and reusable"
+        return title
 
     # ------------------------------------------------------------------ widget
     def _build_widget(self) -> Any:
@@ -294,12 +317,17 @@ class BlockMap(Displayable):
 
 
 def _colorscale() -> list[list[Any]]:
-    """One band of z per palette colour, pale (empty block) to full (every slot filled); grey below 0 for free."""
-    span = len(PALETTE) + 1
+    """One band of z per palette colour, pale (empty block) to full (every slot filled); grey below 0 for free.
+
+    Above the palette, two flat bands: reusable (cached, free) and shared blocks.
+    """
+    n = len(PALETTE)
+    span = n + 3
     scale: list[list[Any]] = [[0.0, FREE_COLOR], [1 / span, FREE_COLOR]]
     for band, color in enumerate(PALETTE):
         scale += [[(band + 1) / span, _tint(color, EMPTY_SHADE)], [(band + 2) / span, color]]
-    scale[-1][0] = 1.0  # exactly 1, whatever the rounding
+    scale += [[(n + 1) / span, REUSABLE_COLOR], [(n + 2) / span, REUSABLE_COLOR]]
+    scale += [[(n + 2) / span, SHARED_COLOR], [1.0, SHARED_COLOR]]
     return scale
 
 

@@ -1,9 +1,10 @@
 """Rebuild the KV cache and the request table at any step, from StepReports alone.
 
-A report lists the step's block events (which request took or freed which block), the work it
-scheduled (which token positions were computed) and who was admitted, preempted or finished. Applying
-reports one after another reproduces the allocator's block tables and every request's computed tokens
-without touching the engine, which is why a saved trace can be replayed, and stepped backwards, anywhere.
+A report lists the step's block events (which request took, shared or freed which block, which blocks
+entered or left the prefix cache), the work it scheduled (which token positions were computed) and who
+was admitted, preempted or finished. Applying reports one after another reproduces the allocator's block
+tables, its cached blocks and every request's computed tokens without touching the engine, which is why
+a saved trace can be replayed, and stepped backwards, anywhere.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class CacheState:
         self.num_applied = 0
         self.time: float | None = None  # end of the last applied step (None: before a live run's first step)
         self.tables: dict[int, list[int]] = {}  # request id -> block ids, in token order
+        self.cached: set[int] = set()  # blocks in the prefix cache's index (in use or reusable)
         self.computed: dict[int, int] = {}  # request id -> tokens whose keys and values are cached
         self.progress: dict[int, _Progress] = {}
         self.requests = requests if requests is not None else {}  # shared with a live recorder: it grows
@@ -60,6 +62,7 @@ class CacheState:
         other = CacheState(self.num_blocks, self.block_size, self.requests)
         other.num_applied, other.time = self.num_applied, self.time
         other.tables = {rid: list(table) for rid, table in self.tables.items()}
+        other.cached = set(self.cached)
         other.computed = dict(self.computed)
         other.progress = {rid: replace(p) for rid, p in self.progress.items()}
         return other
@@ -74,9 +77,13 @@ class CacheState:
         """Advance by one step: block events in the order they happened, then the computed tokens."""
         ended = set(report.preempted) | set(report.finished)
         for event in report.block_events:
-            if event.kind == "alloc":
+            if event.kind in ("alloc", "hit"):  # a new block, or a reference to a cached one
                 self.tables.setdefault(event.request_id, []).append(event.block_id)
-            elif event.request_id in self.tables:  # a free drops the request's whole table at once
+            elif event.kind == "cache":
+                self.cached.add(event.block_id)
+            elif event.kind == "evict":
+                self.cached.discard(event.block_id)
+            elif event.request_id in self.tables:  # a free or release drops the request's whole table at once
                 del self.tables[event.request_id]
                 self.computed.pop(event.request_id, None)
                 progress = self._progress(event.request_id)
@@ -116,6 +123,14 @@ class CacheState:
                     owner[block] = request_id
                     filled[block] = min(max(computed - index * size, 0), size)
         return [BlockCell(b, owner[b], filled[b], refs[b]) for b in range(self.num_blocks)]
+
+    def owners(self) -> dict[int, list[int]]:
+        """Block id -> the requests whose tables hold it, for the blocks in use (more than one: shared)."""
+        owners: dict[int, list[int]] = {}
+        for request_id, table in self.tables.items():
+            for block in table:
+                owners.setdefault(block, []).append(request_id)
+        return owners
 
     def rows(self) -> list[RequestRow]:
         """The request table: every request seen in a report, or known to have arrived by now."""

@@ -18,7 +18,7 @@ from typing import Any
 
 from rich.console import Console
 
-from labkit.core.config import DEFAULT_MAX_NUM_SEQS, EngineConfig
+from labkit.core.config import DEFAULT_MAX_NUM_SEQS, SCHEDULING, EngineConfig
 from labkit.core.sim import COST_PRESETS, SimulatedModel
 from labkit.serving.bench.checks import check_modes, check_output_paths, check_workload, expand_modes, unavailable
 from labkit.serving.bench.loading import device_name, load_model, special_token_ids, tokenize_workload, vocab_size
@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-chunked-prefill", action="store_true", help="prefill each prompt in one step")
     parser.add_argument(
+        "--enable-prefix-caching", action="store_true", help="labkit-continuous: share cached blocks of common prefixes"
+    )
+    parser.add_argument(
+        "--scheduling", default=defaults.scheduling, choices=SCHEDULING, help="waiting-queue order (labkit modes)"
+    )
+    parser.add_argument(
         "--no-pack-weights",
         action="store_true",
         help="labkit modes on a CPU: multiply by the model's own weights, not oneDNN-packed copies (runtime.packed)",
@@ -211,6 +217,8 @@ def prepare(
         max_num_seqs=args.max_num_seqs,
         chunked_prefill=not args.no_chunked_prefill,
         pack_weights=not args.no_pack_weights,
+        enable_prefix_caching=args.enable_prefix_caching,
+        scheduling=args.scheduling,
         device=args.device,
         dtype=args.dtype,
     )

@@ -62,8 +62,11 @@ ModeFn = Callable[[Sequence[WorkloadRequest], BenchSetup], Run]
 
 # ---------------------------------------------------------------------------------------------- labkit
 def labkit_config(setup: BenchSetup, policy: str) -> EngineConfig:
-    """The engine configuration of a labkit mode: the static policy batches ``setup.batch_size`` requests."""
-    batch = {"max_num_seqs": setup.batch_size} if policy == "static" else {}
+    """The engine configuration of a labkit mode: the static policy batches ``setup.batch_size`` requests.
+
+    Prefix caching is a continuous-batching feature: the static baseline always runs without it.
+    """
+    batch = {"max_num_seqs": setup.batch_size, "enable_prefix_caching": False} if policy == "static" else {}
     return replace(setup.config, policy=policy, **batch)
 
 

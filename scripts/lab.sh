@@ -14,6 +14,9 @@ command=(.venv/bin/jupyter lab "$start" --ip=127.0.0.1)
 if [ -z "${DISPLAY:-}${WAYLAND_DISPLAY:-}" ] && [ "$(uname -s)" != "Darwin" ]; then
   command+=(--no-browser)
 fi
+if [ "$(id -u)" -eq 0 ]; then
+  command+=(--allow-root)  # containers and cloud shells often run as root, which jupyter refuses by default
+fi
 print_only=0
 for arg in "$@"; do
   if [ "$arg" = "--print-command" ]; then

@@ -43,6 +43,21 @@ def tiny_model() -> Callable[..., Any]:
     return make
 
 
+@pytest.fixture(scope="session")
+def greedy_reference() -> Callable[[Any, list[int], int], list[int]]:
+    """``greedy_reference(model, prompt, max_new_tokens)``: transformers' own greedy tokens, EOS ignored."""
+    import torch
+
+    def generate(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+        ids = torch.tensor([prompt])
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None
+        )
+        return out[0, len(prompt) :].tolist()
+
+    return generate
+
+
 class Boom(Exception):
     """The injected failure."""
 

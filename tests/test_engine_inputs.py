@@ -25,14 +25,6 @@ def model(tiny_model):
     return tiny_model("llama", max_position_embeddings=128)
 
 
-def reference(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None
-    )
-    return out[0, len(prompt) :].tolist()
-
-
 BAD_REQUESTS = [
     ([], GREEDY, ValueError, "prompt is empty"),
     ([5, 1024], GREEDY, ValueError, "outside the vocabulary"),
@@ -48,7 +40,7 @@ BAD_REQUESTS = [
 ]
 
 
-def test_bad_requests_are_refused_and_the_others_keep_running(model):
+def test_bad_requests_are_refused_and_the_others_keep_running(model, greedy_reference):
     engine = Engine(model, EngineConfig(block_size=8, num_blocks=12))  # 96 slots
     prompts = [[7, 8, 9, 10, 11], [12, 13, 14]]
     good = [engine.add_request(p, GREEDY) for p in prompts]
@@ -59,7 +51,7 @@ def test_bad_requests_are_refused_and_the_others_keep_running(model):
         engine.step()
     while engine.has_unfinished():
         engine.step()
-    assert [engine.output(r).output_token_ids for r in good] == [reference(model, p, 6) for p in prompts]
+    assert [engine.output(r).output_token_ids for r in good] == [greedy_reference(model, p, 6) for p in prompts]
     assert engine.num_free_blocks == engine.num_blocks
 
 
@@ -175,7 +167,7 @@ def test_each_step_is_one_packed_forward_with_logits_only_for_sampled_rows(model
             hook.remove()
 
 
-def test_static_policy_computes_its_padding_rows(model):
+def test_static_policy_computes_its_padding_rows(model, greedy_reference):
     engine = Engine(model, EngineConfig(block_size=4, num_blocks=64, policy="static", max_num_seqs=2))
     seen = []
 
@@ -192,11 +184,11 @@ def test_static_policy_computes_its_padding_rows(model):
     # Prefill: 9 + 3 tokens and 6 padding rows; then 2 rows per step, the finished member's included.
     assert seen == [18, 2, 2, 2, 2]
     assert [o.output_token_ids for o in outputs] == [
-        reference(model, p, n) for p, n in zip(prompts, (2, 5), strict=True)
+        greedy_reference(model, p, n) for p, n in zip(prompts, (2, 5), strict=True)
     ]
 
 
-def test_attention_reads_keys_and_values_from_the_blocks(model):
+def test_attention_reads_keys_and_values_from_the_blocks(model, greedy_reference):
     prompts = [[9, 8, 7, 6, 5, 4, 3], [10, 11, 12, 13]]
     engine = Engine(model, EngineConfig(block_size=4, num_blocks=16))
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in prompts]
@@ -205,19 +197,19 @@ def test_attention_reads_keys_and_values_from_the_blocks(model):
     engine.runner.cache.data[:, :, :, blocks] = 0.0  # wipe request 0's keys and values
     while engine.has_unfinished():
         engine.step()
-    assert engine.output(ids[0]).output_token_ids[1:] != reference(model, prompts[0], 8)[1:]
-    assert engine.output(ids[1]).output_token_ids == reference(model, prompts[1], 8)
+    assert engine.output(ids[0]).output_token_ids[1:] != greedy_reference(model, prompts[0], 8)[1:]
+    assert engine.output(ids[1]).output_token_ids == greedy_reference(model, prompts[1], 8)
 
 
-def test_the_model_is_left_as_it_was(model):
+def test_the_model_is_left_as_it_was(model, greedy_reference):
     threads = torch.get_num_threads()
     Engine(model, EngineConfig(num_blocks=8)).generate([[5, 6, 7]], GREEDY)
     assert model.config._attn_implementation == "sdpa" != ATTENTION_NAME
     assert torch.get_num_threads() == threads
-    assert len(reference(model, [5, 6, 7], 3)) == 3  # plain generate still works
+    assert len(greedy_reference(model, [5, 6, 7], 3)) == 3  # plain generate still works
 
 
-def test_generate_batch_mirrors_transformers(model):
+def test_generate_batch_mirrors_transformers(model, greedy_reference):
     inputs = [[5, 6, 7, 8], [9, 10, 11] * 5, [42]]
     config = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=-1, num_blocks=32, block_size=8)
     results = generate_batch(model, inputs=inputs, generation_config=config)
@@ -225,7 +217,7 @@ def test_generate_batch_mirrors_transformers(model):
     for i, prompt in enumerate(inputs):
         result = results[f"req_{i}"]
         assert result.request_id == f"req_{i}" and result.prompt_ids == prompt and result.is_finished()
-        assert result.generated_tokens == reference(model, prompt, 5)
+        assert result.generated_tokens == greedy_reference(model, prompt, 5)
     assert generate_batch(model, [], config) == {}
 
 
@@ -245,9 +237,9 @@ def test_generate_batch_honours_the_batching_knobs(model):
         generate_batch(model, [[5]], GenerationConfig())
 
 
-def test_generate_batch_sampling_and_eos_come_from_the_generation_config(model):
+def test_generate_batch_sampling_and_eos_come_from_the_generation_config(model, greedy_reference):
     prompt = [5, 6, 7, 8]
-    greedy = reference(model, prompt, 6)
+    greedy = greedy_reference(model, prompt, 6)
     stop_at = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=greedy[2])
     assert generate_batch(model, [prompt], stop_at)["req_0"].generated_tokens == greedy[:3]
     sampled = GenerationConfig(max_new_tokens=6, do_sample=True, temperature=1.5, top_k=0, top_p=1.0, eos_token_id=-1)
@@ -256,12 +248,12 @@ def test_generate_batch_sampling_and_eos_come_from_the_generation_config(model):
     assert len({tuple(t) for t in tokens}) > 1  # do_sample draws, greedy would repeat itself
 
 
-def test_baselines_generate_what_the_engine_generates(model):
+def test_baselines_generate_what_the_engine_generates(model, greedy_reference):
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12] * 9]
     wanted = [3, 6, 4]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in wanted]
     labkit = [o.output_token_ids for o in Engine(model, EngineConfig(num_blocks=16)).generate(prompts, params)]
-    assert labkit == [reference(model, p, n) for p, n in zip(prompts, wanted, strict=True)]
+    assert labkit == [greedy_reference(model, p, n) for p, n in zip(prompts, wanted, strict=True)]
     assert padded_generate(model, prompts, wanted, batch_size=2) == labkit
     assert transformers_continuous(model, prompts, wanted, block_size=8, num_blocks=16) == labkit
     assert model.config._attn_implementation == "sdpa"
@@ -269,10 +261,11 @@ def test_baselines_generate_what_the_engine_generates(model):
         padded_generate(model, prompts, wanted[:2])
 
 
-def test_static_dead_rows_on_a_block_boundary(model):
+def test_static_dead_rows_on_a_block_boundary(model, greedy_reference):
     """A finished member's padding row at a position past its own blocks must not break the step or its neighbours."""
     engine = Engine(model, EngineConfig(block_size=4, num_blocks=64, policy="static", max_num_seqs=2))
     params = [SamplingParams(max_new_tokens=5, ignore_eos=True), SamplingParams(max_new_tokens=9, ignore_eos=True)]
     outputs = engine.generate([[5] * 4, [6] * 4], params)  # request 0's dead rows reach position 8, past its 2 blocks
-    assert [o.output_token_ids for o in outputs] == [reference(model, [5] * 4, 5), reference(model, [6] * 4, 9)]
+    expected = [greedy_reference(model, [5] * 4, 5), greedy_reference(model, [6] * 4, 9)]
+    assert [o.output_token_ids for o in outputs] == expected
     assert engine.num_free_blocks == engine.num_blocks

@@ -33,14 +33,6 @@ def model(tiny_model):
     return tiny_model("llama", max_position_embeddings=128)
 
 
-def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None
-    )
-    return out[0, len(prompt) :].tolist()
-
-
 def sim_engine() -> Engine:
     return Engine(SimulatedModel(), EngineConfig(block_size=4, num_blocks=32, max_batch_tokens=32, max_num_seqs=4))
 
@@ -64,7 +56,7 @@ print("ok")
 
 
 # ---------------------------------------------------------------------------------------------- a shared model
-def test_a_second_engine_may_not_convert_a_model_another_engine_runs(tiny_model):
+def test_a_second_engine_may_not_convert_a_model_another_engine_runs(tiny_model, greedy_reference):
     model = tiny_model("llama", max_position_embeddings=128)
     first = Engine(model, EngineConfig(block_size=8, num_blocks=16, device="cpu"))
     record(first)  # a recorder and its engine point at each other: only the cycle collector frees them
@@ -84,7 +76,7 @@ def test_a_second_engine_may_not_convert_a_model_another_engine_runs(tiny_model)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_second_engine_may_not_move_a_model_another_engine_runs(tiny_model):
+def test_a_second_engine_may_not_move_a_model_another_engine_runs(tiny_model, greedy_reference):
     model = tiny_model("llama", max_position_embeddings=128)
     first = Engine(model, EngineConfig(block_size=8, num_blocks=16, device="cpu"))
     with pytest.raises(ValueError, match="another Engine as float32 on cpu"):
@@ -132,7 +124,7 @@ def test_generate_batch_refuses_each_setting_it_does_not_implement(model, name, 
         generate_batch(model, [[5, 6]], config)
 
 
-def test_generate_batch_accepts_those_settings_switched_off(model):
+def test_generate_batch_accepts_those_settings_switched_off(model, greedy_reference):
     off = GenerationConfig(
         max_new_tokens=4, num_beams=1, repetition_penalty=1.0, min_new_tokens=0, length_penalty=1.0,
         no_repeat_ngram_size=0, num_return_sequences=1, eos_token_id=-1, num_blocks=16, block_size=8,
@@ -141,7 +133,7 @@ def test_generate_batch_accepts_those_settings_switched_off(model):
     assert result.generated_tokens == greedy_reference(model, [5, 6, 7], 4)
 
 
-def test_generate_batch_follows_transformers_on_do_sample(model):
+def test_generate_batch_follows_transformers_on_do_sample(model, greedy_reference):
     # do_sample unset or False is greedy whatever the temperature, as in model.generate.
     hot_but_greedy = GenerationConfig(max_new_tokens=4, temperature=5.0, eos_token_id=-1, num_blocks=16)
     assert generate_batch(model, [[5, 6, 7]], hot_but_greedy)["req_0"].generated_tokens == greedy_reference(
@@ -255,7 +247,7 @@ def test_stop_token_ids_must_be_in_the_vocabulary(model):
 
 
 @pytest.mark.parametrize("temperature", [1e-30, 1e-45, 1e-300])
-def test_a_tiny_temperature_samples_the_greedy_tokens(model, temperature):
+def test_a_tiny_temperature_samples_the_greedy_tokens(model, temperature, greedy_reference):
     # Dividing raw logits by 1e-30 overflows to inf and the softmax to NaN; the limit is greedy.
     engine = Engine(model, EngineConfig(block_size=8, num_blocks=16, device="cpu"))
     prompts = [[5, 6, 7], [9, 10, 11, 12]]

@@ -8,12 +8,16 @@
    a ShareGPT-like workload. Output tokens per second of wall time, as nano-vllm counts them.
 3. Decode step time at batch 1, 8, 64 and 256 (800-token contexts) against the memory-bandwidth floor:
    (weight bytes + KV bytes read per step) / the copy bandwidth measured in this run. CUDA graphs on and off.
+   The attention kernel alone at that batch, for each key-tile size and warp count, against the same floor.
 4. Utilisation - NVML's GPU utilisation, and model-bandwidth utilisation (bytes a step must read, over the
    time it took, over the measured bandwidth), labkit static against continuous.
 5. Traces - a continuous and a static run of one workload, recorded with NVML samples on every StepReport,
    to labkit/data/traces/gpu_{continuous,static}.json (the course's GPU notebook replays them).
+6. Profile - where a decode step's time goes at the largest batch: host time by engine phase (graphs on),
+   and device time by kernel (torch.profiler, graphs off so that every kernel shows).
 
-Everything goes to one JSON file (``--out``); a short table is printed last. ``--device cpu --quick`` runs the
+Everything goes to one JSON file (``--out``), rewritten after each part, so a run cut short keeps what it
+measured; a short table is printed last. ``--device cpu --quick`` runs the
 same script end to end on a CPU in well under a minute (tiny model, few requests, the kernel through Triton's
 interpreter), which is how CI keeps it working. Exit status 1 if a correctness check fails.
 
@@ -23,6 +27,7 @@ Run: ``python benchmarks/gpu_check.py [--device cuda] [--quick] [--out gpu_check
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import os
@@ -33,6 +38,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +52,7 @@ from rich.table import Table
 
 from labkit import Engine, EngineConfig, SamplingParams, StepReport
 from labkit.models.random import random_model
-from labkit.runtime.runner import device_name, kv_bytes_per_block
+from labkit.runtime.runner import device_name, interpreter_runs_kernels, kv_bytes_per_block
 from labkit.serving.baselines import TransformersContinuous, padded_generate
 from labkit.serving.metrics import GpuMonitor, _nvml_handle
 from labkit.serving.workloads import WorkloadRequest, make_workload
@@ -92,6 +98,8 @@ def sync(device: torch.device) -> None:
 
 
 def release(device: torch.device) -> None:
+    """Give a finished part's memory back: an engine and its CUDA graphs reference each other (a cycle)."""
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -149,8 +157,11 @@ def requests_of(workload: list[WorkloadRequest]) -> tuple[list[list[int]], list[
 
 
 @contextmanager
-def section(results: dict[str, Any], name: str, console: Console) -> Iterator[dict[str, Any]]:
-    """A part of the check: its results go under ``name``; an error is recorded, not raised, and the run goes on."""
+def section(results: dict[str, Any], name: str, console: Console, out: Path) -> Iterator[dict[str, Any]]:
+    """A part of the check: its results go under ``name``; an error is recorded, not raised, and the run goes on.
+
+    The JSON file is rewritten after every part: a run stopped by a time limit keeps the parts it finished.
+    """
     part: dict[str, Any] = {}
     results[name] = part
     start = time.perf_counter()
@@ -162,6 +173,8 @@ def section(results: dict[str, Any], name: str, console: Console) -> Iterator[di
         part["traceback"] = traceback.format_exc()
         console.print(f"  [red]{part['error']}[/red]")
     part["seconds"] = round(time.perf_counter() - start, 2)
+    console.print(f"  done in {part['seconds']} s")
+    out.write_text(json.dumps(results, indent=2, default=str))
 
 
 class NvmlSampler:
@@ -225,6 +238,9 @@ def check_kernel(settings: Settings, part: dict[str, Any]) -> bool:
         return True
     if settings.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         part["skipped"] = "on a CPU the kernel runs only under TRITON_INTERPRET=1 (pass --device cpu)"
+        return True
+    if settings.device.type == "cpu" and not interpreter_runs_kernels():
+        part["skipped"] = "this triton's interpreter cannot run the kernels (needs triton>=3.7)"
         return True
     from labkit.runtime.attention import PagedKVCache, Segment, build_paged_batch, paged_attention_forward
     from labkit.runtime.triton_attention import StepUploader, build_triton_batch, triton_attention_forward
@@ -401,9 +417,175 @@ def decode_floor(model: torch.nn.Module, settings: Settings, bandwidth: float, p
         release(settings.device)
 
 
+def kernel_shapes(model: torch.nn.Module, settings: Settings, bandwidth: float, part: dict) -> None:
+    """The decode attention kernel alone, batch x context as in the decode-floor part, for each (tile, warps).
+
+    Keys and values come from memory, not from the L2 cache (see _time_kernel).
+    """
+    from labkit.runtime.attention import PagedKVCache
+    from labkit.runtime.triton_attention import launch_shape, paged_attention
+
+    if not HAS_TRITON:
+        part["skipped"] = "triton is not installed"
+        return
+    if settings.device.type == "cpu" and (os.environ.get("TRITON_INTERPRET") != "1" or not interpreter_runs_kernels()):
+        part["skipped"] = "on a CPU the kernel runs only under a recent Triton's interpreter"
+        return
+    device, dtype = settings.device, settings.dtype
+    text = model.config.get_text_config()
+    num_heads, num_kv_heads = text.num_attention_heads, text.num_key_value_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    batch, context, block_size, layers = max(settings.decode_batches), settings.decode_context, 16, 4
+    blocks_per_seq = -(-context // block_size)
+    cache = PagedKVCache(layers, batch * blocks_per_seq, block_size, num_kv_heads, head_dim, dtype, device)
+    cache.data.normal_()
+    tables = torch.randperm(batch * blocks_per_seq, device=device).to(torch.int32).view(batch, blocks_per_seq)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    query = torch.randn(batch, num_heads, head_dim, device=device).to(dtype)
+    out = torch.empty_like(query)
+    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * cache.data.element_size()
+    default = launch_shape(max(16, 1 << (head_dim - 1).bit_length()))
+    shapes = [default] if settings.quick else [(t, w) for t in (16, 32, 64) for w in (2, 4, 8)]
+    launches = 1 if settings.quick else 40
+    for tile, warps in shapes:
+        name = f"tile {tile}, warps {warps}"
+        try:
+            seconds = _time_kernel(cache, launches, device, partial(
+                paged_attention, query=query, query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=tables,
+                scale=head_dim**-0.5, max_query_len=1, out=out, tile=tile, num_warps=warps,
+            ))  # fmt: skip
+        except Exception as error:  # a shape the compiler rejects on this GPU: keep the others
+            part[name] = {"error": f"{type(error).__name__}: {str(error)[:500]}"}
+            continue
+        part[name] = {
+            "us": seconds * 1e6,
+            "kv_bytes": kv_bytes,
+            "of_bandwidth": kv_bytes / seconds / bandwidth,
+            "default": (tile, warps) == default,
+        }
+    part["shape"] = {"batch": batch, "context": context, "heads": num_heads, "kv_heads": num_kv_heads,
+                     "head_dim": head_dim, "block_size": block_size}  # fmt: skip
+    del cache
+    release(device)
+
+
+def _time_kernel(cache: Any, launches: int, device: torch.device, launch: Callable[..., Any]) -> float:
+    """Seconds per launch of ``launch(key_cache=..., value_cache=...)``, the cache's layers taking turns.
+
+    On CUDA, Triton's do_bench times each launch with events behind an L2 flush, which also keeps the GPU
+    busy while the host issues the launch: a kernel of tens of microseconds is shorter than its launch.
+    """
+    for key_cache, value_cache in cache.parts:  # compile, and touch every layer once
+        launch(key_cache=key_cache, value_cache=value_cache)
+    sync(device)
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        key_cache, value_cache = cache.parts[0]
+        return do_bench(lambda: launch(key_cache=key_cache, value_cache=value_cache), warmup=5, rep=40) / 1e3
+    start = time.perf_counter()
+    for i in range(launches):
+        key_cache, value_cache = cache.parts[i % len(cache.parts)]
+        launch(key_cache=key_cache, value_cache=value_cache)
+    sync(device)
+    return (time.perf_counter() - start) / launches
+
+
+def profile_decode(model: torch.nn.Module, settings: Settings, part: dict) -> None:
+    """Where a decode step's time goes at the largest decode batch, contexts as in the decode-floor part.
+
+    Host: mean milliseconds per step in the scheduler's plan, the runner (inputs, launches, and the wait for
+    the sampled tokens) and the commit, with CUDA graphs on. Device: torch.profiler's time per kernel over
+    a few steps with graphs off (a graph's kernels would show as one replay).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    batch, steps = max(settings.decode_batches), settings.decode_steps
+    rng = random.Random(3)
+    vocab = model.config.vocab_size
+    for graphs in [True, False] if settings.device.type == "cuda" and HAS_TRITON else [False]:
+        engine = Engine(model, engine_config(settings, max_num_seqs=batch, use_cuda_graph=graphs))
+        params = SamplingParams(max_new_tokens=2 * steps + 8, ignore_eos=True)
+        for _ in range(batch):
+            engine.add_request([rng.randrange(3, vocab) for _ in range(settings.decode_context)], params)
+        while engine.step().num_prefill_tokens:  # prefill everything, then one untimed decode step
+            pass
+        if graphs:
+            phases = {"plan": (engine.scheduler, "schedule"), "run": (engine.runner, "execute"),
+                      "commit": (engine.scheduler, "update")}  # fmt: skip
+            spent = dict.fromkeys(phases, 0.0)
+            for name, (owner, method) in phases.items():
+                setattr(owner, method, _timed(getattr(owner, method), spent, name))
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            total = (time.perf_counter() - start) / steps
+            host = {name: seconds / steps * 1e3 for name, seconds in spent.items()}
+            part["host_ms_per_step"] = {**host, "other": total * 1e3 - sum(host.values()), "step": total * 1e3}
+        else:
+            activities = [ProfilerActivity.CPU]
+            if settings.device.type == "cuda":
+                activities.append(ProfilerActivity.CUDA)
+            with profile(activities=activities) as profiler:
+                for _ in range(steps):
+                    engine.step()
+                sync(settings.device)
+            part["kernels"] = top_kernels(profiler, settings.device, steps)
+        del engine
+        release(settings.device)
+
+
+def _timed(function: Callable[..., Any], spent: dict[str, float], name: str) -> Callable[..., Any]:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            spent[name] += time.perf_counter() - start
+
+    return timed
+
+
+KERNEL_KINDS = {  # substrings of kernel names, first match wins
+    "attention": ("paged_attention", "store_kv"),
+    "matmul": ("gemm", "cutlass", "xmma", "nvjet", "cublas", "addmm", "linear", "matmul"),
+    "sampling": ("argmax", "argmin", "sort", "topk", "softmax"),
+    "elementwise": ("elementwise", "vectorized", "reduce", "mul", "add", "pow", "rsqrt", "silu", "cat", "copy"),
+}
+
+
+def top_kernels(profiler: Any, device: torch.device, steps: int, top: int = 12) -> dict[str, Any]:
+    """Device time per step by kernel (the ``top`` largest) and by kind; on a CPU, self time per op instead."""
+    rows = []
+    for event in profiler.key_averages():
+        if device.type == "cuda":
+            seconds = getattr(event, "self_device_time_total", None)
+            if seconds is None:
+                seconds = event.self_cuda_time_total
+            if not seconds:  # a host op: its kernels are counted on their own
+                continue
+        else:
+            seconds = event.self_cpu_time_total
+        rows.append((event.key, seconds / 1e3 / steps, event.count // steps))  # microseconds -> ms per step
+    rows.sort(key=lambda row: -row[1])
+    total = sum(ms for _, ms, _ in rows)
+    kinds: dict[str, float] = {}
+    for name, ms, _ in rows:
+        lowered = name.lower()
+        kind = next((k for k, keys in KERNEL_KINDS.items() if any(key in lowered for key in keys)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + ms
+    return {
+        "ms_per_step": total,
+        "launches_per_step": sum(count for *_, count in rows),
+        "by_kind_ms": dict(sorted(kinds.items(), key=lambda item: -item[1])),
+        "top": [{"name": name[:120], "ms": ms, "calls": count} for name, ms, count in rows[:top]],
+    }
+
+
 # ---------------------------------------------------------------------------------------------- 5. traces
 def record_traces(model: torch.nn.Module, settings: Settings, directory: Path, part: dict) -> None:
-    from labkit.viz import record
+    from labkit.core.trace import record
 
     workload = make_workload(
         "sharegpt-like", settings.trace_requests, seed=5, vocab_size=model.config.vocab_size, special_ids=(0, 1, 2),
@@ -472,6 +654,29 @@ def summary_table(results: dict[str, Any], bandwidth: float) -> tuple[Table, lis
         if isinstance(entry, dict) and "x_floor" in entry:
             target = f"<= {TARGETS['decode_256_floor_ratio']}x" if name.startswith("batch 256") else ""
             table.add_row(f"decode {name}: ms (x floor)", f"{entry['step_ms']:.2f} ({entry['x_floor']:.2f}x)", target)
+    shapes = {k: v for k, v in results.get("kernel shapes", {}).items() if isinstance(v, dict) and "us" in v}
+    if shapes:
+        default = next((k for k, v in shapes.items() if v["default"]), None)
+        best = min(shapes, key=lambda k: shapes[k]["us"])
+        for name in dict.fromkeys([default, best]):
+            if name is not None:
+                label = "default" if name == default else "fastest"
+                entry = shapes[name]
+                table.add_row(f"decode attention alone, {label} ({name})",
+                              f"{entry['us']:.0f} us ({entry['of_bandwidth']:.0%} of bw)", "")  # fmt: skip
+    profile = results.get("profile", {})
+    host = profile.get("host_ms_per_step")
+    if host:
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in host.items() if k != "step")
+        table.add_row("decode step, graphs on: ms by phase", f"{host['step']:.2f} ({phases})", "")
+    kernels = profile.get("kernels")
+    if kernels:
+        kinds = ", ".join(f"{k} {v:.2f}" for k, v in kernels["by_kind_ms"].items())
+        table.add_row(
+            "decode step, graphs off: device ms by kind",
+            f"{kernels['ms_per_step']:.2f} in {kernels['launches_per_step']} launches ({kinds})",
+            "",
+        )
     for name, part in results.items():
         if isinstance(part, dict) and "error" in part:
             notes.append(f"{name}: {part['error']}")
@@ -506,13 +711,14 @@ def main() -> None:
         "targets": TARGETS,
     }
     console.print(f"gpu_check on {results['device']}: torch {results['torch']}, triton {results['triton']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     ok = True
-    with section(results, "correctness", console) as part:
+    with section(results, "correctness", console, args.out) as part:
         part["parity"], part["kernel"] = {}, {}
         ok &= check_parity(settings, part["parity"])
         ok &= check_kernel(settings, part["kernel"])
     bandwidth = float("nan")
-    with section(results, "bandwidth", console) as part:
+    with section(results, "bandwidth", console, args.out) as part:
         bandwidth = measure_bandwidth(device, args.quick)
         part["bytes_per_s"] = bandwidth
     model = random_model(settings.model["arch"], settings.model["size"], seed=0, dtype=settings.dtype).to(device)
@@ -529,16 +735,20 @@ def main() -> None:
             max_len=settings.sharegpt_max,
         ),
     }  # fmt: skip
-    for name, workload in workloads.items():
-        with section(results, f"throughput {name}", console) as part:
-            throughput(model, settings, workload, part)
-    with section(results, "decode floor", console) as part:
+    # Most telling first: should a time limit stop the run, what it lost is the least needed.
+    with section(results, "throughput nano-vllm", console, args.out) as part:
+        throughput(model, settings, workloads["nano-vllm"], part)
+    with section(results, "decode floor", console, args.out) as part:
         decode_floor(model, settings, bandwidth, part)
-    with section(results, "traces", console) as part:
+    with section(results, "traces", console, args.out) as part:
         record_traces(model, settings, traces, part)
+    with section(results, "profile", console, args.out) as part:
+        profile_decode(model, settings, part)
+    with section(results, "kernel shapes", console, args.out) as part:
+        kernel_shapes(model, settings, bandwidth, part)
+    with section(results, "throughput sharegpt-like", console, args.out) as part:
+        throughput(model, settings, workloads["sharegpt-like"], part)
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2, default=str))
     table, notes = summary_table(results, bandwidth)
     for note in notes:
         console.print(f"[red]error[/red] {note}")

@@ -3,19 +3,32 @@
 What a graph bakes in must not leak into its results: bucket padding (batch sizes between buckets),
 preemption (requests leave and come back recomputed), and contexts longer than any seen at capture
 (the graphs are captured with empty contexts, then replayed as contexts grow to hundreds of tokens).
+
+One check runs without a GPU too: the forward pass a graph records must not wait for the device or
+build tensors from host data, which capture forbids. On a CPU it is watched op by op as it runs.
 """
 
 from __future__ import annotations
 
+import os
 import random
+from collections import Counter
+from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+from labkit import Engine, EngineConfig, SamplingParams
+from labkit.models.random import random_model
 
-from labkit import Engine, EngineConfig, SamplingParams  # noqa: E402
-from labkit.models.random import random_model  # noqa: E402
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+# Ops that read a value back to the host (a sync), make a tensor from Python data (a host-to-device copy
+# from pageable memory), or whose output shape depends on the data: each one breaks a CUDA graph capture.
+CAPTURE_BREAKERS = {
+    "aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.equal", "aten.lift_fresh", "aten.nonzero",
+    "aten.masked_select", "aten._unique2", "aten.unique_consecutive", "aten.unique_dim", "aten.repeat_interleave",
+}  # fmt: skip
 
 
 def run(model: torch.nn.Module, prompts: list[list[int]], wanted: list[int], **options: object) -> tuple[Engine, list]:
@@ -35,11 +48,13 @@ def model() -> torch.nn.Module:
     return random_model("qwen2", "tiny", seed=1).to("cuda")
 
 
+@needs_cuda
 def test_graph_on_by_default_on_cuda(model: torch.nn.Module) -> None:
     engine, _ = run(model, workload(1, (4, 4)), [3], max_num_seqs=4)
     assert engine.runner.use_cuda_graph and engine.runner.graphs.num_replays == 2
 
 
+@needs_cuda
 def test_same_tokens_across_bucket_boundaries(model: torch.nn.Module) -> None:
     """Requests finish one after another, so the decode batch walks down through 19..1 (buckets 24, 16, 8, 4, 2, 1)."""
     prompts = workload(19, (5, 60))
@@ -50,6 +65,7 @@ def test_same_tokens_across_bucket_boundaries(model: torch.nn.Module) -> None:
     assert graphed == eager
 
 
+@needs_cuda
 def test_same_tokens_after_preemption(model: torch.nn.Module) -> None:
     prompts = workload(12, (20, 80), seed=2)
     wanted = [60] * 12
@@ -65,6 +81,7 @@ def test_same_tokens_after_preemption(model: torch.nn.Module) -> None:
     assert graphed == eager
 
 
+@needs_cuda
 def test_contexts_longer_than_at_capture(model: torch.nn.Module) -> None:
     """One engine, graphs captured once: short contexts first, then contexts of 700+ tokens (44+ blocks)."""
     engine = Engine(model, EngineConfig(device="cuda", attention_backend="triton", max_num_seqs=8))
@@ -74,3 +91,58 @@ def test_contexts_longer_than_at_capture(model: torch.nn.Module) -> None:
         params = SamplingParams(max_new_tokens=new, ignore_eos=True)
         graphed = [o.output_token_ids for o in engine.generate(prompts, params)]
         assert graphed == [o.output_token_ids for o in eager.generate(prompts, params)]
+
+
+class OpRecorder(TorchDispatchMode):
+    """Counts every aten op that runs inside it (the ops themselves run as usual)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_captured_forward_neither_syncs_nor_copies_from_the_host(
+    arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every replayed decode step's forward, watched: no op from CAPTURE_BREAKERS (on CUDA: no sync at all)."""
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        from labkit.runtime.runner import interpreter_runs_kernels
+
+        if os.environ.get("TRITON_INTERPRET") != "1" or not interpreter_runs_kernels():
+            pytest.skip("without CUDA this needs Triton's interpreter (TRITON_INTERPRET=1, triton>=3.7)")
+        pytest.importorskip("triton")
+    device = "cuda" if cuda else "cpu"
+    model = random_model(arch, "tiny", seed=0).to(device)
+    config = EngineConfig(
+        device=device, attention_backend="triton", use_cuda_graph=True, block_size=8, num_blocks=32, max_num_seqs=2
+    )
+    engine = Engine(model, config)
+    graphs = engine.runner.graphs
+    recorder, forward = OpRecorder(), graphs.forward
+
+    def watched(*args: Any) -> torch.Tensor:
+        if cuda:  # the real thing: any synchronising call raises
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            with recorder:
+                return forward(*args)
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(graphs, "forward", watched)
+    if cuda:  # replays do not call the forward: capture again, watched
+        graphs.graphs.clear()
+        for size in reversed(graphs.buckets):
+            graphs._capture(size)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    engine.generate([[5, 6, 7], [8] * 11], params)
+    assert graphs.num_replays >= 5
+    assert recorder.ops["aten.embedding"] > 0, "the watched forward never ran"
+    assert not CAPTURE_BREAKERS & set(recorder.ops), sorted(CAPTURE_BREAKERS & set(recorder.ops))

@@ -13,7 +13,7 @@ from labkit import Engine, EngineConfig, SamplingParams
 from labkit.runtime.attention import ATTENTION_NAME
 from labkit.runtime.hf import generate_batch
 from labkit.runtime.runner import CPU_CACHE_BYTES
-from labkit.serving.baselines import padded_generate, transformers_continuous
+from labkit.serving.baselines import PAGE_SIZE, padded_generate, transformers_continuous
 
 torch.set_num_threads(1)
 
@@ -225,7 +225,7 @@ def test_generate_batch_honours_the_batching_knobs(model):
     tiny_cache = GenerationConfig(max_new_tokens=4, num_blocks=1, block_size=4)
     with pytest.raises(ValueError, match=r"whole KV cache holds 4 \(1 blocks x 4\)"):
         generate_batch(model, [[5] * 10], tiny_cache)
-    batching = ContinuousBatchingConfig(num_blocks=2, page_size=4, max_batch_tokens=8)
+    batching = ContinuousBatchingConfig(num_blocks=2, max_batch_tokens=8, **{PAGE_SIZE: 4})
     with pytest.raises(ValueError, match="whole KV cache holds 8"):
         generate_batch(model, [[5] * 10], GenerationConfig(max_new_tokens=4), continuous_batching_config=batching)
     small_budget = GenerationConfig(max_new_tokens=4, max_batch_tokens=8)

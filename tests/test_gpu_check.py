@@ -1,4 +1,7 @@
-"""benchmarks/gpu_check.py runs end to end on a CPU (``--device cpu --quick``) and writes what it promises."""
+"""benchmarks/gpu_check.py runs end to end on a CPU (``--device cpu --quick``) and writes what it promises.
+
+It runs as it would on a bare GPU image: torch, transformers and triton, but no widget libraries.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +17,17 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 
 
+WIDGET_PACKAGES = ("plotly", "ipywidgets", "anywidget")
+
+
 def test_quick_cpu_run(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"
+    blocked = tmp_path / "blocked"  # packages that fail to import, as on an image without them
+    for name in WIDGET_PACKAGES:
+        (blocked / name).mkdir(parents=True)
+        (blocked / name / "__init__.py").write_text(f"raise ImportError('{name} is not installed here')\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # this checkout's labkit
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(blocked), str(ROOT), env.get("PYTHONPATH")]))
     command = [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -31,6 +41,10 @@ def test_quick_cpu_run(tmp_path: Path) -> None:
         for method in ("labkit continuous", "labkit static", "transformers generate_batch"):
             assert part[method]["tokens_per_s"] > 0, (workload, method, part[method])
     assert all(entry["x_floor"] > 0 for entry in results["decode floor"].values() if isinstance(entry, dict))
+    kernels = results["profile"]["kernels"]
+    assert kernels["ms_per_step"] > 0 and kernels["top"] and sum(kernels["by_kind_ms"].values()) > 0
+    shapes = [entry for entry in results["kernel shapes"].values() if isinstance(entry, dict) and "us" in entry]
+    assert any(entry["default"] for entry in shapes) and all(entry["us"] > 0 for entry in shapes)
     for policy in ("continuous", "static"):
         reports, meta = load_trace(tmp_path / f"gpu_{policy}.json")
         assert reports and meta["policy"] == policy

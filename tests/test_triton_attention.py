@@ -23,6 +23,7 @@ from labkit.models.random import random_model
 from labkit.runtime import triton_attention
 from labkit.runtime.attention import PagedKVCache, Segment, build_paged_batch, paged_attention_forward
 from labkit.runtime.cuda_graphs import bucket_sizes
+from labkit.runtime.runner import interpreter_runs_kernels
 from labkit.runtime.triton_attention import (
     StepUploader,
     build_triton_batch,
@@ -33,6 +34,8 @@ from labkit.runtime.triton_attention import (
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and type(triton_attention._paged_attention_kernel).__name__ != "InterpretedFunction":
     pytest.skip("triton_attention was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+if DEVICE.type == "cpu" and not interpreter_runs_kernels():
+    pytest.skip("this triton's interpreter cannot run the kernels (needs triton>=3.7)", allow_module_level=True)
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 LAYER = SimpleNamespace(layer_idx=0)
@@ -97,6 +100,24 @@ def test_matches_torch_on_a_mixed_step(group: int, head_dim: int, block_size: in
     )
     torch.testing.assert_close(got, expected, atol=TOLERANCE[torch.float32], rtol=0)
     torch.testing.assert_close(triton_cache.data, reference_cache.data, atol=0, rtol=0)  # same stores
+
+
+@pytest.mark.parametrize("tile, num_warps", [(16, 2), (64, 8)])
+def test_other_launch_shapes_and_64_bit_offsets_give_the_same_result(
+    tile: int, num_warps: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a benchmark sweeps (tile, warps) and what a cache too big for 32-bit offsets uses change no result."""
+    expected, default, _, _ = run_both(MIXED, group=4, head_dim=64, block_size=16, seed=3)
+    monkeypatch.setattr(triton_attention, "WIDE_OFFSETS_FROM", 1)
+    original = triton_attention.paged_attention
+
+    def with_shape(*args, **kwargs):
+        return original(*args, **kwargs, tile=tile, num_warps=num_warps)
+
+    monkeypatch.setattr(triton_attention, "paged_attention", with_shape)
+    _, got, _, _ = run_both(MIXED, group=4, head_dim=64, block_size=16, seed=3)
+    torch.testing.assert_close(got, expected, atol=TOLERANCE[torch.float32], rtol=0)
+    torch.testing.assert_close(got, default, atol=TOLERANCE[torch.float32], rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -22,10 +22,12 @@ GENERATION_CONFIG_KNOBS = {
     "block_size": "block_size",
     "max_batch_tokens": "max_batch_tokens",
 }
-# The same knobs on transformers' ContinuousBatchingConfig.
+# The same knobs on transformers' ContinuousBatchingConfig (its block size is page_size in recent releases,
+# block_size in 5.17 and older).
 BATCHING_CONFIG_KNOBS = {
     "num_blocks": "num_blocks",
     "page_size": "block_size",
+    "block_size": "block_size",
     "max_batch_tokens": "max_batch_tokens",
     "max_requests_per_batch": "max_num_seqs",
 }
@@ -159,8 +161,13 @@ def _check_generation_config(config: Any) -> None:
 
 
 def _knobs(config: Any, names: dict[str, str]) -> dict[str, Any]:
-    values = {ours: getattr(config, theirs, None) for theirs, ours in names.items()}
-    return {name: value for name, value in values.items() if value is not None}
+    """labkit's name -> value of each knob set on ``config`` (of two names for one knob, the first one set)."""
+    options: dict[str, Any] = {}
+    for theirs, ours in names.items():
+        value = getattr(config, theirs, None)
+        if value is not None:
+            options.setdefault(ours, value)
+    return options
 
 
 def _sampling_params(config: Any, max_new_tokens: int | None) -> SamplingParams:

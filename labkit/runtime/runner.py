@@ -12,6 +12,7 @@ the caller chose (benchmarks pin it to 1).
 from __future__ import annotations
 
 import gc
+import importlib.metadata
 import importlib.util
 import os
 import platform
@@ -331,7 +332,23 @@ def resolve_attention_backend(backend: str, device: torch.device) -> str:
             raise ValueError(
                 "attention_backend='triton' runs on CUDA; on a CPU only under Triton's interpreter (TRITON_INTERPRET=1)"
             )
+        if device.type != "cuda" and not interpreter_runs_kernels():
+            raise ValueError(
+                f"attention_backend='triton' on a CPU needs triton>={'.'.join(map(str, INTERPRETER_MIN_TRITON))}:"
+                f" the interpreter of triton {importlib.metadata.version('triton')} cannot run labkit's kernels"
+            )
     return backend
+
+
+# Triton compiles labkit's kernels from 3.6 on; its CPU interpreter runs them from 3.7 on (3.6's cannot bound
+# a loop by a value the kernel loaded from memory).
+INTERPRETER_MIN_TRITON = (3, 7)
+
+
+def interpreter_runs_kernels() -> bool:
+    """Whether the installed triton's CPU interpreter can run labkit's kernels (tests on machines with no GPU)."""
+    release = importlib.metadata.version("triton").split("+")[0].split(".")[:2]
+    return tuple(int(part) for part in release if part.isdigit()) >= INTERPRETER_MIN_TRITON
 
 
 def resolve_use_cuda_graph(use_cuda_graph: bool | None, backend: str, device: torch.device) -> bool:

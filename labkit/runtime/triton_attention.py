@@ -41,6 +41,8 @@ from labkit.runtime.attention import PagedKVCache, Segment
 
 TRITON_ATTENTION_NAME = "labkit_triton"
 LOG2E = 1.4426950408889634
+# A KV head's part of the cache with this many elements or more is addressed with 64-bit offsets.
+WIDE_OFFSETS_FROM = 2**31
 
 
 @triton.jit
@@ -100,6 +102,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     TILE: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr,
     WINDOW: tl.constexpr,
     DECODE_ONLY: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -153,12 +156,17 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    cache_head = kv_head.to(tl.int64) * stride_cache_head
+    # Offsets are counted within this KV head's part of the cache, in 32 bits unless that part is larger:
+    # each key position costs a register per offset, and 64-bit ones halve what fits on the chip.
+    key_cache_ptr += kv_head.to(tl.int64) * stride_cache_head
+    value_cache_ptr += kv_head.to(tl.int64) * stride_cache_head
     for tile in range(first // TILE, tl.cdiv(end, TILE)):
         j = tile * TILE + tl.arange(0, TILE)
         j_ok = j < end
         block = tl.load(block_tables_ptr + seq * stride_block_table + j // BLOCK_SIZE, mask=j_ok, other=0)
-        kv_offset = cache_head + block.to(tl.int64) * stride_cache_block + (j % BLOCK_SIZE) * stride_cache_slot
+        if WIDE_OFFSETS:
+            block = block.to(tl.int64)
+        kv_offset = block * stride_cache_block + (j % BLOCK_SIZE) * stride_cache_slot
         k = tl.load(key_cache_ptr + kv_offset[None, :] + d[:, None], mask=j_ok[None, :] & d_ok[:, None], other=0.0)
         if DOT_FP32:
             k = k.to(tl.float32)
@@ -227,13 +235,16 @@ def paged_attention(
     max_query_len: int,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    tile: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Attention of the packed ``query`` rows (T, H, D) over their requests' paged contexts -> (T, H, D).
 
     ``max_query_len`` (a Python int the caller knows without asking the device) picks the variant:
     1 means every request decodes one token, and the grid is one program per request and KV head.
     Everything the launch bakes in (grid, tile sizes, variant) depends only on T, N and the shapes,
-    which is what lets a CUDA graph capture it once per batch size.
+    which is what lets a CUDA graph capture it once per batch size. ``tile`` (key positions per loop
+    step, a power of two >= 16) and ``num_warps`` override :func:`launch_shape` (benchmarks sweep them).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, _, block_size, _ = key_cache.shape
@@ -251,6 +262,7 @@ def paged_attention(
     decode_only = max_query_len == 1
     grid = (num_seqs if decode_only else num_tokens // block_q + num_seqs, num_kv_heads)
     head_pad = max(16, triton.next_power_of_2(head_dim))
+    default_tile, default_warps = launch_shape(head_pad)
     _paged_attention_kernel[grid](
         out,
         query,
@@ -275,15 +287,25 @@ def paged_attention(
         HEAD_PAD=head_pad,
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
-        TILE=64 if head_pad <= 128 else 32,
+        TILE=tile or default_tile,
+        WIDE_OFFSETS=key_cache.stride(0) >= WIDE_OFFSETS_FROM,  # one KV head's part of the cache, in elements
         WINDOW=sliding_window or 0,
         DECODE_ONLY=decode_only,
         # fp32 runs are parity checks: full-precision dots, not TF32.
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         # Triton's CPU interpreter multiplies bfloat16 matrices wrongly: it gets them in float32.
         DOT_FP32=query.dtype == torch.bfloat16 and query.device.type == "cpu",
+        num_warps=num_warps or default_warps,
     )
     return out
+
+
+def launch_shape(head_pad: int) -> tuple[int, int]:
+    """(key tile, warps) for a padded head size: the largest tile that keeps every variant free of register
+    spills on both an H100/H200 (sm_90) and a T4 (sm_75), as their compilers report (tests/test_kernel_build.py)."""
+    if head_pad <= 64:
+        return 32, 4
+    return 16, (4 if head_pad <= 128 else 8)
 
 
 def _check_last_dim(**tensors: torch.Tensor) -> None:

@@ -19,6 +19,7 @@ each one's ``arrival_time`` is when it was due, as in labkit's online driver.
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -26,6 +27,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from labkit.core.request import RequestMetrics, RequestOutput
@@ -167,6 +170,11 @@ def _eos_off(model: Any, off: bool = True) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------------------- continuous batching
+# ContinuousBatchingConfig's block size is page_size in recent transformers, block_size in 5.17 and older.
+PAGE_SIZE = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+CPU_MIN_TRANSFORMERS = Version("5.21")
+
+
 class TransformersContinuous:
     """transformers' continuous-batching manager, started once and reused, so a run times only its requests.
 
@@ -183,10 +191,16 @@ class TransformersContinuous:
         max_batch_tokens: int = 512,
         max_num_seqs: int = 64,
     ) -> None:
+        if next(model.parameters()).device.type == "cpu" and Version(transformers.__version__) < CPU_MIN_TRANSFORMERS:
+            raise RuntimeError(
+                f"transformers' continuous batching runs on a CPU from transformers {CPU_MIN_TRANSFORMERS} on"
+                f" (installed: {transformers.__version__}; older releases size its cache from GPU memory alone):"
+                " pip install -U transformers, or run this baseline on a GPU"
+            )
         self.model = model
         self.generation = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
         self.batching = ContinuousBatchingConfig(
-            page_size=block_size,
+            **{PAGE_SIZE: block_size},
             num_blocks=num_blocks,
             max_batch_tokens=max_batch_tokens,
             max_requests_per_batch=max_num_seqs,
@@ -200,7 +214,12 @@ class TransformersContinuous:
         self._context = self.model.continuous_batching_context_manager(
             generation_config=copy.deepcopy(self.generation), continuous_batching_config=self.batching, block=True
         )
-        self._manager = self._context.__enter__()
+        try:
+            self._manager = self._context.__enter__()
+        except BaseException:  # it may have switched the model's attention already
+            self.model.config._attn_implementation = self._attention
+            self._context = None
+            raise
         return self
 
     def __exit__(self, *exc_info: Any) -> None:

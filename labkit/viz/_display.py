@@ -8,6 +8,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 from labkit.core.report import StepReport
+from labkit.core.trace import Recorder
 from labkit.viz._compat import (
     Throttle,
     figure_bundle,
@@ -17,7 +18,6 @@ from labkit.viz._compat import (
     widget_bundle,
     widgets_enabled,
 )
-from labkit.viz.record import Recorder
 
 
 def show_figure(figure: go.Figure) -> None:

@@ -22,8 +22,8 @@ from plotly.colors import qualitative
 from labkit.core.report import StepReport
 from labkit.viz._compat import FigureView, Throttle, link_values
 from labkit.viz._display import Displayable
-from labkit.viz.record import as_recorder
 from labkit.viz.replay import BlockCell, CacheHistory, CacheState, RequestRow
+from labkit.viz.sources import as_recorder
 
 PALETTE = [*qualitative.Plotly, *(c for c in qualitative.D3 if c.upper() != "#7F7F7F")]  # no grey: grey is free
 FREE_COLOR = "#e6e6e6"

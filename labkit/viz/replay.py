@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from labkit.core.report import StepReport
-from labkit.viz.record import Recorder, RequestInfo
+from labkit.core.trace import Recorder, RequestInfo
 
 
 class BlockCell(NamedTuple):

@@ -16,10 +16,11 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from labkit.core.report import StepReport
+from labkit.core.trace import Recorder
 from labkit.viz._compat import FigureView, Throttle
 from labkit.viz._display import Displayable
 from labkit.viz.blockmap import PALETTE
-from labkit.viz.record import Recorder, as_recorders
+from labkit.viz.sources import as_recorders
 
 RUN_COLORS = {"continuous": "#4c78a8", "static": "#f58518"}
 SERIES = ("tokens_per_s", "kv_usage", "batch_size")

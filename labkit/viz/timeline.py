@@ -16,9 +16,10 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from labkit.core.report import StepReport
+from labkit.core.trace import Recorder
 from labkit.viz._compat import FigureView, Throttle
 from labkit.viz._display import Displayable
-from labkit.viz.record import Recorder, as_recorder, as_recorders
+from labkit.viz.sources import as_recorder, as_recorders
 
 PHASE_COLORS = {
     "waiting": "#c7c7c7",

@@ -4,7 +4,7 @@ Attached to an engine it is one of ``engine.step_listeners``: it keeps every Ste
 request asked for (prompt length, token budget, arrival time: the few facts reports do not carry), and
 passes each report on to its subscribers (the widgets). Saved with :meth:`Recorder.save` it becomes a JSON
 trace that :meth:`Recorder.load` turns back into the same object, so a run recorded on a GPU replays
-anywhere.
+anywhere. Plain Python like the rest of the core: a GPU machine with no widget libraries records traces too.
 """
 
 from __future__ import annotations
@@ -150,32 +150,3 @@ def record(engine: Any) -> Recorder:
         if isinstance(listener, Recorder):
             return listener
     return Recorder().attach(engine)
-
-
-def as_recorders(runs: Mapping[Any, Any], widget: str) -> dict[str, Recorder]:
-    """``{label: source}`` as ``{label: Recorder}``; an error in one run says which run (its label) it is."""
-    if not runs:
-        raise ValueError(f"{widget} needs at least one run")
-    recorders = {}
-    for label, source in runs.items():
-        try:
-            recorders[str(label)] = as_recorder(source)
-        except (TypeError, ValueError) as error:
-            kind = TypeError if isinstance(error, TypeError) else ValueError
-            raise kind(f"{widget} run {str(label)!r}: {error}") from None
-    return recorders
-
-
-def as_recorder(source: Any) -> Recorder:
-    """Accept what a widget can show: a Recorder, an Engine (live), a trace path, or a list of StepReports."""
-    if isinstance(source, Recorder):
-        return source
-    if isinstance(source, (str, os.PathLike)):
-        return Recorder.load(source)
-    if hasattr(source, "step_listeners"):
-        return record(source)
-    if isinstance(source, Iterable) and not isinstance(source, (bytes, Mapping)):
-        return Recorder(source)
-    raise TypeError(
-        f"expected an Engine, a Recorder, a trace file path or a list of StepReports, got {type(source).__name__}"
-    )

@@ -1,0 +1,41 @@
+"""What a widget accepts as its input, turned into a :class:`~labkit.core.trace.Recorder`.
+
+A widget shows a live Engine, a Recorder, a saved trace or a plain list of StepReports alike.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from labkit.core.trace import Recorder, record
+
+
+def as_recorders(runs: Mapping[Any, Any], widget: str) -> dict[str, Recorder]:
+    """``{label: source}`` as ``{label: Recorder}``; an error in one run says which run (its label) it is."""
+    if not runs:
+        raise ValueError(f"{widget} needs at least one run")
+    recorders = {}
+    for label, source in runs.items():
+        try:
+            recorders[str(label)] = as_recorder(source)
+        except (TypeError, ValueError) as error:
+            kind = TypeError if isinstance(error, TypeError) else ValueError
+            raise kind(f"{widget} run {str(label)!r}: {error}") from None
+    return recorders
+
+
+def as_recorder(source: Any) -> Recorder:
+    """Accept what a widget can show: a Recorder, an Engine (live), a trace path, or a list of StepReports."""
+    if isinstance(source, Recorder):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        return Recorder.load(source)
+    if hasattr(source, "step_listeners"):
+        return record(source)
+    if isinstance(source, Iterable) and not isinstance(source, (bytes, Mapping)):
+        return Recorder(source)
+    raise TypeError(
+        f"expected an Engine, a Recorder, a trace file path or a list of StepReports, got {type(source).__name__}"
+    )

@@ -143,6 +143,24 @@ def test_a_non_power_of_two_group_and_head_dim() -> None:
     torch.testing.assert_close(got, expected, atol=TOLERANCE[torch.float32], rtol=0)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 5, 38])
+def test_every_metadata_tensor_starts_on_16_bytes(num_tokens: int) -> None:
+    """Triton compiles a kernel variant per pointer alignment: odd step sizes must not shift the metadata."""
+    cache = PagedKVCache(1, 16, 4, 1, 16, torch.float32, DEVICE)
+    segments = [Segment(3, num_tokens, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]), Segment(2, 1, [12])]
+    sample_rows = [num_tokens - 1, num_tokens]
+    ids, batch, keep = build_triton_batch(cache, segments, [7] * (num_tokens + 1), sample_rows, StepUploader(DEVICE))
+    tensors = [ids, batch.position_ids, batch.slot_mapping, batch.query_start_loc, batch.seq_lens, batch.block_tables]
+    if num_tokens > 1:
+        tensors.append(keep)
+        assert keep.tolist() == sample_rows
+    base = ids.data_ptr()
+    assert all((t.data_ptr() - base) % 16 == 0 for t in tensors)
+    assert batch.position_ids.tolist() == [*range(3, 3 + num_tokens), 2]
+    assert batch.query_start_loc.tolist() == [0, num_tokens, num_tokens + 1]
+    assert batch.seq_lens.tolist() == [3 + num_tokens, 3]
+
+
 def test_store_skips_padded_slots_and_padded_rows_attend_to_nothing() -> None:
     cache = PagedKVCache(1, 4, 16, 2, 64, torch.float32, DEVICE)
     key_cache, value_cache = cache.parts[0]

@@ -40,6 +40,7 @@ from transformers import AttentionInterface
 from labkit.runtime.attention import PagedKVCache, Segment
 
 TRITON_ATTENTION_NAME = "labkit_triton"
+ALIGN = 4  # int32s in 16 bytes
 LOG2E = 1.4426950408889634
 # A KV head's part of the cache with this many elements or more is addressed with 64-bit offsets.
 WIDE_OFFSETS_FROM = 2**31
@@ -76,7 +77,10 @@ def _store_kv_kernel(
     tl.store(value_cache_ptr + cache_offset, value, mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # one compiled kernel for every batch size
+# Triton compiles a variant per value class of each int (1, a multiple of 16, other) and per 16-byte alignment
+# of each pointer. The batch size and the block-table width change from step to step: not specialised on, so
+# that no step of a run waits for a compile (the metadata pointers are kept aligned by build_triton_batch).
+@triton.jit(do_not_specialize=["num_seqs", "stride_block_table"])
 def _paged_attention_kernel(
     out_ptr,
     query_ptr,
@@ -397,11 +401,16 @@ def build_triton_batch(
     # 0 keeps every row: a pure decode step samples from all of them, and then needs no index.
     keep_all = len(sample_rows) == len(token_ids)
     keep_rows = [] if keep_all else sample_rows
-    values = array("i", token_ids)
-    for part in (positions, slots, query_start_loc, seq_lens, keep_rows, flat_tables):
+    # Each part starts on a 16-byte boundary (a multiple of ALIGN ints): Triton specialises kernels on the
+    # alignment of their pointers, so unaligned parts would compile new variants as the step sizes change.
+    values, offsets = array("i"), []
+    for part in (token_ids, positions, slots, query_start_loc, seq_lens, keep_rows, flat_tables):
+        offsets.append(len(values))
         values.extend(part)
+        values.extend([0] * (-len(values) % ALIGN))
     data = uploader.upload(values)
-    pieces = data.split([len(token_ids)] * 3 + [len(query_start_loc), len(seq_lens), len(keep_rows), len(flat_tables)])
+    sizes = [len(token_ids)] * 3 + [len(query_start_loc), len(seq_lens), len(keep_rows), len(flat_tables)]
+    pieces = [data[offset : offset + size] for offset, size in zip(offsets, sizes, strict=True)]
     input_ids, position_ids, slot_mapping, query_start, lens, keep, block_tables = pieces
     batch = TritonBatch(
         cache=cache,

@@ -35,8 +35,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from labkit.runtime.attention import PagedKVCache, Segment
-from labkit.runtime.triton_attention import TritonBatch
+from labkit.runtime.attention import PagedKVCache, Segment, slot_mapping
+from labkit.runtime.triton_attention import TritonBatch, context_lengths, flat_block_tables
 
 Forward = Callable[[torch.Tensor, TritonBatch, int], torch.Tensor]  # (input ids, batch, logits_to_keep) -> logits
 
@@ -121,21 +121,10 @@ class DecodeGraphs:
         n = len(segments)
         size = self.buckets[bisect_left(self.buckets, n)]
         block_size = self.cache.block_size
-        positions, slots, seq_lens = [], [], []
-        for start, _, table, writes_cache in segments:
-            positions.append(start)
-            if writes_cache:
-                slots.append(table[start // block_size] * block_size + start % block_size)
-                seq_lens.append(start + 1)
-            else:  # a static batch's padding row: stores nothing, sees its cached context
-                slots.append(-1)
-                seq_lens.append(start)
-        width = max(1, -(-max(seq_lens) // block_size))
-        flat_tables: list[int] = []
-        for (_, _, table, _), seq_len in zip(segments, seq_lens, strict=True):
-            used = -(-seq_len // block_size)
-            flat_tables += table[:used]
-            flat_tables += [0] * (width - used)
+        positions = [segment.start for segment in segments]
+        seq_lens = context_lengths(segments)
+        slots = slot_mapping(segments, block_size, scratch_slot=-1)  # -1: a static batch's padding row
+        flat_tables, width = flat_block_tables(segments, seq_lens, block_size)
         # Every row of the bucket is rewritten; padded rows get token 0 at position 0, no slot, no context.
         pad = [0] * (size - n)
         rows = array("i", token_ids)

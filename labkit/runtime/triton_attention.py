@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from transformers import AttentionInterface
 
-from labkit.runtime.attention import PagedKVCache, Segment
+from labkit.runtime.attention import PagedKVCache, Segment, slot_mapping
 
 TRITON_ATTENTION_NAME = "labkit_triton"
 ALIGN = 4  # int32s in 16 bytes
@@ -370,34 +370,13 @@ def build_triton_batch(
     """(input ids (1, T), the step's TritonBatch, logits_to_keep) from the step's segments, in one upload."""
     block_size = cache.block_size
     positions: list[int] = []
-    slots: list[int] = []
     query_start_loc = [0]
-    seq_lens: list[int] = []
-    tables: list[Sequence[int]] = []
-    for start, num_tokens, table, writes_cache in segments:
-        end = start + num_tokens
-        positions.extend(range(start, end))
+    for start, num_tokens, _, _ in segments:
+        positions.extend(range(start, start + num_tokens))
         query_start_loc.append(len(positions))
-        if not writes_cache:
-            slots.extend([-1] * num_tokens)
-            seq_lens.append(start)
-            tables.append(table)
-            continue
-        seq_lens.append(end)
-        tables.append(table)
-        position = start
-        while position < end:  # one run of consecutive slots per block
-            block, offset = divmod(position, block_size)
-            run = min(block_size - offset, end - position)
-            first = table[block] * block_size + offset
-            slots.extend(range(first, first + run))
-            position += run
-    width = max(1, -(-max(seq_lens) // block_size))
-    flat_tables: list[int] = []
-    for table, seq_len in zip(tables, seq_lens, strict=True):
-        used = -(-seq_len // block_size)
-        flat_tables += table[:used]
-        flat_tables += [0] * (width - used)
+    seq_lens = context_lengths(segments)
+    slots = slot_mapping(segments, block_size, scratch_slot=-1)  # -1: the store kernel skips the row
+    flat_tables, width = flat_block_tables(segments, seq_lens, block_size)
     # 0 keeps every row: a pure decode step samples from all of them, and then needs no index.
     keep_all = len(sample_rows) == len(token_ids)
     keep_rows = [] if keep_all else sample_rows
@@ -411,17 +390,36 @@ def build_triton_batch(
     data = uploader.upload(values)
     sizes = [len(token_ids)] * 3 + [len(query_start_loc), len(seq_lens), len(keep_rows), len(flat_tables)]
     pieces = [data[offset : offset + size] for offset, size in zip(offsets, sizes, strict=True)]
-    input_ids, position_ids, slot_mapping, query_start, lens, keep, block_tables = pieces
+    input_ids, position_ids, slot_ids, query_start, lens, keep, block_tables = pieces
     batch = TritonBatch(
         cache=cache,
-        slot_mapping=slot_mapping,
+        slot_mapping=slot_ids,
         position_ids=position_ids,
         query_start_loc=query_start,
         seq_lens=lens,
         block_tables=block_tables.view(len(seq_lens), width),
-        max_query_len=max(query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))),
+        max_query_len=max(segment.num_tokens for segment in segments),
     )
     return input_ids[None], batch, 0 if keep_all else keep
+
+
+def context_lengths(segments: Sequence[Segment]) -> list[int]:
+    """How many keys each segment's rows attend to: its cached ones and its own, or (padding) the cached ones."""
+    return [start + num_tokens if writes_cache else start for start, num_tokens, _, writes_cache in segments]
+
+
+def flat_block_tables(segments: Sequence[Segment], seq_lens: list[int], block_size: int) -> tuple[list[int], int]:
+    """The blocks each segment reads, as rows of one width (the longest context's), padded with block 0.
+
+    Only the blocks covering ``seq_lens`` are sent: a block the kernel never reads need not travel.
+    """
+    width = max(1, -(-max(seq_lens) // block_size))
+    flat: list[int] = []
+    for segment, seq_len in zip(segments, seq_lens, strict=True):
+        used = -(-seq_len // block_size)
+        flat += segment.block_table[:used]
+        flat += [0] * (width - used)
+    return flat, width
 
 
 def triton_attention_forward(

@@ -420,7 +420,7 @@ def decode_floor(model: torch.nn.Module, settings: Settings, bandwidth: float, p
 def kernel_shapes(model: torch.nn.Module, settings: Settings, bandwidth: float, part: dict) -> None:
     """The decode attention kernel alone, batch x context as in the decode-floor part, for each (tile, warps).
 
-    Keys and values come from memory, not from the L2 cache (see _time_kernel).
+    On CUDA the keys and values come from memory, not from the L2 cache (see _time_kernel).
     """
     from labkit.runtime.attention import PagedKVCache
     from labkit.runtime.triton_attention import launch_shape, paged_attention
@@ -435,9 +435,10 @@ def kernel_shapes(model: torch.nn.Module, settings: Settings, bandwidth: float, 
     text = model.config.get_text_config()
     num_heads, num_kv_heads = text.num_attention_heads, text.num_key_value_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
-    batch, context, block_size, layers = max(settings.decode_batches), settings.decode_context, 16, 4
+    batch, context, block_size = max(settings.decode_batches), settings.decode_context, 16
     blocks_per_seq = -(-context // block_size)
-    cache = PagedKVCache(layers, batch * blocks_per_seq, block_size, num_kv_heads, head_dim, dtype, device)
+    cache = PagedKVCache(1, batch * blocks_per_seq, block_size, num_kv_heads, head_dim, dtype, device)
+    key_cache, value_cache = cache.parts[0]
     cache.data.normal_()
     tables = torch.randperm(batch * blocks_per_seq, device=device).to(torch.int32).view(batch, blocks_per_seq)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
@@ -451,10 +452,11 @@ def kernel_shapes(model: torch.nn.Module, settings: Settings, bandwidth: float, 
     for tile, warps in shapes:
         name = f"tile {tile}, warps {warps}"
         try:
-            seconds = _time_kernel(cache, launches, device, partial(
-                paged_attention, query=query, query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=tables,
-                scale=head_dim**-0.5, max_query_len=1, out=out, tile=tile, num_warps=warps,
-            ))  # fmt: skip
+            launch = partial(
+                paged_attention, query, key_cache, value_cache, query_start_loc, seq_lens, tables, head_dim**-0.5,
+                max_query_len=1, out=out, tile=tile, num_warps=warps,
+            )  # fmt: skip
+            seconds = _time_kernel(launch, launches, device)
         except Exception as error:  # a shape the compiler rejects on this GPU: keep the others
             part[name] = {"error": f"{type(error).__name__}: {str(error)[:500]}"}
             continue
@@ -466,29 +468,26 @@ def kernel_shapes(model: torch.nn.Module, settings: Settings, bandwidth: float, 
         }
     part["shape"] = {"batch": batch, "context": context, "heads": num_heads, "kv_heads": num_kv_heads,
                      "head_dim": head_dim, "block_size": block_size}  # fmt: skip
-    del cache
+    del cache, key_cache, value_cache
     release(device)
 
 
-def _time_kernel(cache: Any, launches: int, device: torch.device, launch: Callable[..., Any]) -> float:
-    """Seconds per launch of ``launch(key_cache=..., value_cache=...)``, the cache's layers taking turns.
+def _time_kernel(launch: Callable[[], Any], launches: int, device: torch.device) -> float:
+    """Seconds per call of ``launch``, after one untimed call (the compile).
 
-    On CUDA, Triton's do_bench times each launch with events behind an L2 flush, which also keeps the GPU
-    busy while the host issues the launch: a kernel of tens of microseconds is shorter than its launch.
+    On CUDA, Triton's do_bench times each launch with events behind an L2 flush: the keys and values come
+    from memory, and the flush keeps the GPU busy while the host issues the launch (a kernel of tens of
+    microseconds is shorter than its launch).
     """
-    for key_cache, value_cache in cache.parts:  # compile, and touch every layer once
-        launch(key_cache=key_cache, value_cache=value_cache)
+    launch()
     sync(device)
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        key_cache, value_cache = cache.parts[0]
-        return do_bench(lambda: launch(key_cache=key_cache, value_cache=value_cache), warmup=5, rep=40) / 1e3
+        return do_bench(launch, warmup=5, rep=40) / 1e3
     start = time.perf_counter()
-    for i in range(launches):
-        key_cache, value_cache = cache.parts[i % len(cache.parts)]
-        launch(key_cache=key_cache, value_cache=value_cache)
-    sync(device)
+    for _ in range(launches):
+        launch()
     return (time.perf_counter() - start) / launches
 
 

@@ -10,7 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start="notebooks/00_start_here.ipynb"
-command=(.venv/bin/jupyter lab "$start" --ip=127.0.0.1)
+# The server's root is the repository, so the exercises (exercises/) and the notebooks' links to them are in reach.
+command=(.venv/bin/jupyter lab "$start" --ServerApp.root_dir=. --ip=127.0.0.1)
 if [ -z "${DISPLAY:-}${WAYLAND_DISPLAY:-}" ] && [ "$(uname -s)" != "Darwin" ]; then
   command+=(--no-browser)
 fi
@@ -30,5 +31,6 @@ if [ "$print_only" -eq 1 ]; then
   exit 0
 fi
 bash scripts/setup.sh
-echo "Starting JupyterLab on $start; open the http://127.0.0.1:... URL it prints below (Ctrl+C stops it)."
+echo "Starting JupyterLab on $start; open the http://127.0.0.1:... URL it prints below, then $start in its"
+echo "file browser if it is not open yet (Ctrl+C stops the server)."
 exec "${command[@]}"

@@ -7,6 +7,7 @@ import json
 import statistics
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from rich.console import Console
@@ -26,6 +27,7 @@ from labkit.serving.bench import (
     sweep_table,
     tokenize_workload,
 )
+from labkit.serving.bench.checks import check_targets
 from labkit.serving.bench.html import load_and_write, report_html
 from labkit.serving.metrics import Run, run_metrics
 from labkit.serving.online import run_workload
@@ -235,6 +237,21 @@ def test_median_metrics_takes_each_number_separately():
     assert median.num_steps == statistics.median_low(m.num_steps for m in repeats)
     assert isinstance(median.num_steps, int)
     assert median_metrics(repeats[:1]) == repeats[0]
+
+
+def test_median_metrics_takes_the_median_of_the_prefix_cache_counts_too():
+    workload = make_workload("shared-prefix", 6, prefix_len=8, **VOCAB)
+    config = EngineConfig(block_size=4, enable_prefix_caching=True)
+    base = run_metrics(*run_workload(Engine(MODEL, config), workload))
+    counts = [replace(base.prefix_cache, hit_tokens=n) for n in (100, 0, 0)]
+    median = median_metrics([replace(base, prefix_cache=c) for c in counts])
+    assert median.prefix_cache.hit_tokens == 0  # not the first repeat's 100
+
+
+def test_a_target_a_mode_cannot_measure_is_refused():
+    check_targets(["labkit-continuous", "vllm"], {"ttft": 1.0})
+    with pytest.raises(ValueError, match="mode 'vllm' does not measure queue_time"):
+        check_targets(["labkit-continuous", "vllm"], {"queue_time": 1.0})
 
 
 def test_labkit_modes_report_progress():

@@ -11,7 +11,7 @@ are checked for what each of them needs.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -78,6 +78,18 @@ def unavailable(mode: str, setup: BenchSetup, online: bool) -> str | None:
         if vllm_on_cpu() and block_size % VLLM_CPU_BLOCK_MULTIPLE:
             return f"vLLM's CPU attention needs --block-size a multiple of {VLLM_CPU_BLOCK_MULTIPLE}, not {block_size}"
     return None
+
+
+# Latency metrics a mode does not measure: vLLM's outputs do not say when a request was first scheduled.
+UNMEASURED = {"vllm": ("queue_time",)}
+
+
+def check_targets(modes: Sequence[str], targets: Mapping[str, float] | None) -> None:
+    """Refuse a latency target that a mode cannot measure: every one of its requests would count as a miss."""
+    for mode in modes:
+        for name in UNMEASURED.get(mode, ()):
+            if targets and name in targets:
+                raise ValueError(f"mode {mode!r} does not measure {name}, so a {name} target cannot be checked for it")
 
 
 # ---------------------------------------------------------------------------------------------- will it serve it

@@ -20,7 +20,14 @@ from rich.console import Console
 
 from labkit.core.config import DEFAULT_MAX_NUM_SEQS, SCHEDULING, EngineConfig
 from labkit.core.sim import COST_PRESETS, SimulatedModel
-from labkit.serving.bench.checks import check_modes, check_output_paths, check_workload, expand_modes, unavailable
+from labkit.serving.bench.checks import (
+    check_modes,
+    check_output_paths,
+    check_targets,
+    check_workload,
+    expand_modes,
+    unavailable,
+)
 from labkit.serving.bench.loading import device_name, load_model, special_token_ids, tokenize_workload, vocab_size
 from labkit.serving.bench.modes import MODES, BenchSetup, max_model_len
 from labkit.serving.bench.report import (
@@ -262,6 +269,7 @@ def prepare(
     online = any(rate is not None for rate in args.rates)
     modes = expand_modes(requested, setup, online)
     check_modes(modes, setup, online)
+    check_targets(modes, targets)
     options = {k: getattr(args, k) for k in WORKLOAD_OPTIONS if getattr(args, k) is not None}
     if args.workload == "sharegpt-like" and "max_len" not in options:
         # Static batching prefills a prompt in one step, and prompt + output must fit the model.

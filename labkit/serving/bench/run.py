@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
-from labkit.serving.bench.checks import check_modes, check_workload
+from labkit.serving.bench.checks import check_modes, check_targets, check_workload
 from labkit.serving.bench.modes import MODES, BenchSetup, release_gpu_cache
-from labkit.serving.metrics import GpuMonitor, Run, RunMetrics, Summary, parse_targets, run_metrics
+from labkit.serving.metrics import GpuMonitor, Run, RunMetrics, parse_targets, run_metrics
 from labkit.serving.workloads import WorkloadRequest
 
 
@@ -62,6 +62,7 @@ def run_bench(
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     check_modes(modes, setup, online=any(r.arrival_time > 0 for r in workload))
+    check_targets(modes, targets)
     if check:
         check_workload(modes, workload, setup)
     runs: dict[str, list[tuple[Run, RunMetrics]]] = {mode: [] for mode in modes}
@@ -112,8 +113,9 @@ def _median(values: list[Any]) -> Any:
     if not present:
         return None
     first = present[0]
-    if isinstance(first, Summary):
-        return Summary(**{f.name: _median([getattr(s, f.name) for s in present]) for f in fields(Summary)})
+    if is_dataclass(first):  # a Summary of percentiles, the prefix-cache counts: field by field
+        kind = type(first)
+        return kind(**{f.name: _median([getattr(s, f.name) for s in present]) for f in fields(kind)})
     if isinstance(first, bool) or not isinstance(first, (int, float)):
         return first  # e.g. the targets: the same for every repeat
     if all(isinstance(v, int) for v in present):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+from array import array
 from types import SimpleNamespace
 
 import pytest
@@ -159,6 +160,15 @@ def test_every_metadata_tensor_starts_on_16_bytes(num_tokens: int) -> None:
     assert batch.position_ids.tolist() == [*range(3, 3 + num_tokens), 2]
     assert batch.query_start_loc.tolist() == [0, num_tokens, num_tokens + 1]
     assert batch.seq_lens.tolist() == [3 + num_tokens, 3]
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the race needs an asynchronous copy")
+def test_a_second_upload_waits_until_the_first_copy_has_read_the_pinned_buffer() -> None:
+    uploader = StepUploader(DEVICE)
+    torch.cuda._sleep(200_000_000)  # the GPU is busy: the first copy is queued, not done
+    first = uploader.upload(array("i", [1] * 1000))
+    second = uploader.upload(array("i", [2] * 1000))  # same pinned buffer
+    assert first.tolist() == [1] * 1000 and second.tolist() == [2] * 1000
 
 
 def test_store_skips_padded_slots_and_padded_rows_attend_to_nothing() -> None:

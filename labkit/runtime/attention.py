@@ -391,8 +391,11 @@ def build_paged_batch(
     return PagedBatch(cache, slot_ids, position_ids, groups, segments, attention_fn)
 
 
-def _context(segment: Segment) -> int:
-    """Positions the segment's last row attends to: its cached prefix plus, if it writes, its own tokens."""
+def context_length(segment: Segment) -> int:
+    """Positions the segment's last row attends to: its cached prefix plus, if it writes, its own tokens.
+
+    A padding segment's rows are thrown away; attending to the cached prefix only keeps them harmless.
+    """
     return segment.start + segment.num_tokens if segment.writes_cache else segment.start
 
 
@@ -404,8 +407,8 @@ def _split_by_context(decodes: list[tuple[int, Segment]], block_size: int) -> li
     """
     if len(decodes) < 2:
         return [decodes]
-    members = sorted(decodes, key=lambda member: _context(member[1]))
-    blocks = [-(-_context(segment) // block_size) for _, segment in members]
+    members = sorted(decodes, key=lambda member: context_length(member[1]))
+    blocks = [-(-context_length(segment) // block_size) for _, segment in members]
     padded, split = min((i * blocks[i - 1] + (len(blocks) - i) * blocks[-1], i) for i in range(1, len(blocks)))
     whole = len(blocks) * blocks[-1]
     if padded > 0.75 * whole or whole - padded < MIN_SPLIT_SAVING_BLOCKS:
@@ -413,22 +416,26 @@ def _split_by_context(decodes: list[tuple[int, Segment]], block_size: int) -> li
     return [members[:split], members[split:]]
 
 
-def _padded_block_ids(members: list[tuple[int, Segment]], contexts: list[int], block_size: int) -> list[int]:
-    """Each segment's context blocks, padded with block 0 to the longest one's count."""
-    num_blocks = -(-max(contexts) // block_size)
+def padded_block_tables(segments: Sequence[Segment], contexts: Sequence[int], block_size: int) -> tuple[list[int], int]:
+    """Each segment's context blocks as rows of one width (the longest context's), padded with block 0.
+
+    Only the blocks that cover ``contexts`` are listed: a block no row reads need not be gathered or sent.
+    Returns the rows, flattened, and their width.
+    """
+    width = max(1, -(-max(contexts) // block_size))
     block_ids: list[int] = []
-    for (_, segment), context in zip(members, contexts, strict=True):
+    for segment, context in zip(segments, contexts, strict=True):
         used = -(-context // block_size)
         block_ids += segment.block_table[:used]
-        block_ids += [0] * (num_blocks - used)
-    return block_ids
+        block_ids += [0] * (width - used)
+    return block_ids, width
 
 
 def _decode_group(
     cache: PagedKVCache, members: list[tuple[int, Segment]], num_rows: int, device: torch.device
 ) -> DecodeGroup:
-    contexts = [_context(s) for _, s in members]
-    block_ids = _padded_block_ids(members, contexts, cache.block_size)
+    contexts = [context_length(s) for _, s in members]
+    block_ids, num_blocks = padded_block_tables([s for _, s in members], contexts, cache.block_size)
     rows = [row for row, _ in members]
     last_keys = [min(s.start, c - 1) for (_, s), c in zip(members, contexts, strict=True)] * cache.num_kv_heads
     # One tensor built for the three index lists; the pieces are views of it.
@@ -438,7 +445,7 @@ def _decode_group(
     last_key = flat[num_ids + num_members :]
     return DecodeGroup(
         num_segments=len(members),
-        num_blocks=len(block_ids) // len(members),
+        num_blocks=num_blocks,
         # Decodes sit in packed order, so a group holding every row holds them in order.
         query_rows=None if len(members) == num_rows else query_rows,
         block_ids=block_id_tensor,
@@ -451,8 +458,8 @@ def _prefill_group(
     cache: PagedKVCache, members: list[tuple[int, Segment]], num_rows: int, device: torch.device
 ) -> PrefillGroup:
     """Query row q of a segment is its token min(q, length - 1): rows past the end repeat the last token."""
-    contexts = [_context(s) for _, s in members]
-    block_ids = _padded_block_ids(members, contexts, cache.block_size)
+    contexts = [context_length(s) for _, s in members]
+    block_ids, num_blocks = padded_block_tables([s for _, s in members], contexts, cache.block_size)
     lengths = [s.num_tokens for _, s in members]
     num_queries = max(lengths)
     length = long_tensor(lengths, device)[:, None]
@@ -468,7 +475,7 @@ def _prefill_group(
     return PrefillGroup(
         num_segments=len(members),
         num_queries=num_queries,
-        num_blocks=len(block_ids) // len(members),
+        num_blocks=num_blocks,
         query_rows=None if in_order else query_rows,
         output_rows=None if in_order else (query_rows if valid is None else query_rows[valid]),
         valid=valid,

@@ -35,8 +35,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from labkit.runtime.attention import PagedKVCache, Segment, slot_mapping
-from labkit.runtime.triton_attention import TritonBatch, context_lengths, flat_block_tables
+from labkit.runtime.attention import PagedKVCache, Segment, context_length, padded_block_tables, slot_mapping
+from labkit.runtime.triton_attention import TritonBatch
 
 Forward = Callable[[torch.Tensor, TritonBatch, int], torch.Tensor]  # (input ids, batch, logits_to_keep) -> logits
 
@@ -70,6 +70,7 @@ class DecodeGraphs:
         pin = self.captured
         self.host_header = torch.zeros(4 * max_batch, dtype=torch.int32, pin_memory=pin)
         self.host_tables = torch.zeros(max_batch * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+        self.copied = torch.cuda.Event() if self.captured else None  # the last copy out of the host buffers
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.captured else None
@@ -122,9 +123,9 @@ class DecodeGraphs:
         size = self.buckets[bisect_left(self.buckets, n)]
         block_size = self.cache.block_size
         positions = [segment.start for segment in segments]
-        seq_lens = context_lengths(segments)
+        seq_lens = [context_length(segment) for segment in segments]
         slots = slot_mapping(segments, block_size, scratch_slot=-1)  # -1: a static batch's padding row
-        flat_tables, width = flat_block_tables(segments, seq_lens, block_size)
+        flat_tables, width = padded_block_tables(segments, seq_lens, block_size)
         # Every row of the bucket is rewritten; padded rows get token 0 at position 0, no slot, no context.
         pad = [0] * (size - n)
         rows = array("i", token_ids)
@@ -132,12 +133,16 @@ class DecodeGraphs:
         for values, fill in ((positions, 0), (slots, -1), (seq_lens, 0)):
             rows.extend(values)
             rows.extend([fill] * len(pad))
+        if self.copied is not None:  # the pinned buffers are reused: the previous step's copy must have read them
+            self.copied.synchronize()
         header = self.host_header.view(4, self.max_batch)[:, :size]
         header.copy_(torch.frombuffer(rows, dtype=torch.int32).view(4, size))
         tables = self.host_tables[: n * width].view(n, width)
         tables.copy_(torch.frombuffer(array("i", flat_tables), dtype=torch.int32).view(n, width))
         self.header.copy_(self.host_header, non_blocking=True)
         self.block_tables[:n, :width].copy_(tables, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
         self.num_replays += 1
         if self.captured:
             self.graphs[size].replay()

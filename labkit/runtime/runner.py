@@ -124,15 +124,16 @@ class ModelRunner:
 
     def init_cache(self, block_size: int, num_blocks: int | None) -> int:
         """Allocate the KV cache; ``num_blocks=None`` sizes it from memory (CPU_CACHE_BYTES, CUDA_MEMORY_FRACTION)."""
-        if num_blocks is None:
-            num_blocks = self._blocks_from_memory(block_size)
-        self.cache = self._new_cache(num_blocks, block_size)
-        if self.use_cuda_graph:
-            from labkit.runtime.cuda_graphs import DecodeGraphs
+        with self._on_device():
+            if num_blocks is None:
+                num_blocks = self._blocks_from_memory(block_size)
+            self.cache = self._new_cache(num_blocks, block_size)
+            if self.use_cuda_graph:
+                from labkit.runtime.cuda_graphs import DecodeGraphs
 
-            with torch.inference_mode():
-                max_blocks = -(-self.max_model_len // block_size)
-                self.graphs = DecodeGraphs(self._forward, self.cache, self.config.max_num_seqs, max_blocks)
+                with torch.inference_mode():
+                    max_blocks = -(-self.max_model_len // block_size)
+                    self.graphs = DecodeGraphs(self._forward, self.cache, self.config.max_num_seqs, max_blocks)
         _RUNNERS.setdefault(self.model, weakref.WeakSet()).add(self)  # from now on it needs the model as it is
         return num_blocks
 
@@ -156,9 +157,15 @@ class ModelRunner:
             token_ids += [self.pad_token_id] * chunk.num_tokens
             segments.append(Segment(chunk.start, chunk.num_tokens, tables[chunk.request.request_id], False))
 
-        logits = self._logits(self.cache, token_ids, segments, sample_rows)
-        params = [r.params for r in sampling_requests]
-        return self.sampler(logits, params, [len(r.output_token_ids) for r in sampling_requests])
+        with self._on_device():
+            logits = self._logits(self.cache, token_ids, segments, sample_rows)
+            params = [r.params for r in sampling_requests]
+            return self.sampler(logits, params, [len(r.output_token_ids) for r in sampling_requests])
+
+    def _on_device(self) -> Any:
+        """Make this runner's GPU the current one: Triton kernels and CUDA graphs run on the current device,
+        which is not ``cuda:1`` just because the tensors are there."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
 
     # ------------------------------------------------------------------ helpers
     def _logits(
@@ -205,10 +212,12 @@ class ModelRunner:
         per_block = kv_bytes_per_block(self.model, block_size)
         activations = self._warm_up(block_size)
         free, _ = torch.cuda.mem_get_info(self.device)
-        # Attention copies one layer's share of the blocks it reads: at most every running request's
-        # longest possible context, padded. Keep room for that copy next to the cache.
-        gathered_blocks = self.config.max_num_seqs * -(-self.max_model_len // block_size)
-        workspace = gathered_blocks * per_block // self.num_layers
+        # The torch attention copies one layer's share of the blocks it reads: at most every running request's
+        # longest possible context, padded. Keep room for that copy next to the cache. (Triton reads in place.)
+        workspace = 0
+        if self.attention_backend == "torch":
+            gathered_blocks = self.config.max_num_seqs * -(-self.max_model_len // block_size)
+            workspace = gathered_blocks * per_block // self.num_layers
         return max(1, int(CUDA_MEMORY_FRACTION * (free - activations) - workspace) // per_block)
 
     @torch.inference_mode()

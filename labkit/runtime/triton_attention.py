@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from transformers import AttentionInterface
 
-from labkit.runtime.attention import PagedKVCache, Segment, slot_mapping
+from labkit.runtime.attention import PagedKVCache, Segment, context_length, padded_block_tables, slot_mapping
 
 TRITON_ATTENTION_NAME = "labkit_triton"
 ALIGN = 4  # int32s in 16 bytes
@@ -342,22 +342,29 @@ class StepUploader:
 
     A step's index lists are packed into one ``array("i")``, copied into page-locked host memory and sent
     with one asynchronous copy; every tensor the step needs is a view of the result. The buffer is reused
-    (each step ends by reading its sampled tokens, so the previous copy has finished) and grows by doubling.
+    (grown by doubling), so before it is overwritten the previous copy must have read it: an event recorded
+    after each copy says so. (Most steps end by reading their sampled tokens, which waits for much more;
+    a step that samples nothing, a middle chunk of a long prompt, does not.)
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pinned = torch.empty(0, dtype=torch.int32)
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
 
     def upload(self, values: array) -> torch.Tensor:
+        """``values`` as an int32 tensor on the device (on a CPU, a view of ``values`` itself)."""
         host = torch.frombuffer(values, dtype=torch.int32)
-        if self.device.type == "cpu":
+        if self.copied is None:
             return host
+        self.copied.synchronize()  # the previous copy has read the buffer (an event never recorded: at once)
         if self.pinned.numel() < len(values):
             self.pinned = torch.empty(max(len(values), 2 * self.pinned.numel()), dtype=torch.int32, pin_memory=True)
         staged = self.pinned[: len(values)]
         staged.copy_(host)
-        return staged.to(self.device, non_blocking=True)
+        data = staged.to(self.device, non_blocking=True)
+        self.copied.record()
+        return data
 
 
 def build_triton_batch(
@@ -374,9 +381,9 @@ def build_triton_batch(
     for start, num_tokens, _, _ in segments:
         positions.extend(range(start, start + num_tokens))
         query_start_loc.append(len(positions))
-    seq_lens = context_lengths(segments)
+    seq_lens = [context_length(segment) for segment in segments]
     slots = slot_mapping(segments, block_size, scratch_slot=-1)  # -1: the store kernel skips the row
-    flat_tables, width = flat_block_tables(segments, seq_lens, block_size)
+    flat_tables, width = padded_block_tables(segments, seq_lens, block_size)
     # 0 keeps every row: a pure decode step samples from all of them, and then needs no index.
     keep_all = len(sample_rows) == len(token_ids)
     keep_rows = [] if keep_all else sample_rows
@@ -401,25 +408,6 @@ def build_triton_batch(
         max_query_len=max(segment.num_tokens for segment in segments),
     )
     return input_ids[None], batch, 0 if keep_all else keep
-
-
-def context_lengths(segments: Sequence[Segment]) -> list[int]:
-    """How many keys each segment's rows attend to: its cached ones and its own, or (padding) the cached ones."""
-    return [start + num_tokens if writes_cache else start for start, num_tokens, _, writes_cache in segments]
-
-
-def flat_block_tables(segments: Sequence[Segment], seq_lens: list[int], block_size: int) -> tuple[list[int], int]:
-    """The blocks each segment reads, as rows of one width (the longest context's), padded with block 0.
-
-    Only the blocks covering ``seq_lens`` are sent: a block the kernel never reads need not travel.
-    """
-    width = max(1, -(-max(seq_lens) // block_size))
-    flat: list[int] = []
-    for segment, seq_len in zip(segments, seq_lens, strict=True):
-        used = -(-seq_len // block_size)
-        flat += segment.block_table[:used]
-        flat += [0] * (width - used)
-    return flat, width
 
 
 def triton_attention_forward(

@@ -122,3 +122,13 @@ def test_load_trace_refuses_an_unknown_version(tmp_path):
     path.write_text(json.dumps({"version": 99, "meta": {}, "steps": []}))
     with pytest.raises(ValueError, match="unsupported trace version 99"):
         load_trace(path)
+
+
+def test_padding_rows_say_whether_they_pad_a_prefill_or_a_decode():
+    engine = Engine(SimulatedModel(), EngineConfig(block_size=4, num_blocks=32, max_batch_tokens=64, policy="static"))
+    engine.add_request([5] * 3, SamplingParams(max_new_tokens=1, ignore_eos=True))
+    engine.add_request([6] * 9, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    prefill = engine.step()  # the short prompt is padded to the long one's length
+    assert prefill.padding and all(work.is_prefill for work in prefill.padding)
+    decode = engine.step()  # the first request has finished: its row is a decode row's padding
+    assert decode.padding and not any(work.is_prefill for work in decode.padding)

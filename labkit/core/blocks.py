@@ -117,11 +117,15 @@ class BlockAllocator:
         tokens after them need new blocks. All or nothing: if too few blocks are free, nothing is taken and
         NoFreeBlocksError is raised.
         """
+        table = self.block_tables.get(request_id)
+        if prefix is None and table is not None and num_tokens <= len(table) * self.block_size:
+            # Most calls: a decode token that fits in the last block. Nothing to take, only the slot to claim.
+            self.num_slots[request_id] = max(self.num_slots[request_id], num_tokens)
+            return []
         cached = prefix.blocks if prefix is not None else ()
         needed = self.blocks_needed(request_id, num_tokens) - len(cached)
         if needed > len(self.free_blocks) and needed > self._available(cached):
             raise NoFreeBlocksError(f"request {request_id!r} needs {needed} blocks, only {self.num_free_blocks} free")
-        table = self.block_tables.get(request_id)
         if table is None:
             table = self.block_tables[request_id] = []
             self.record_undo(partial(self.block_tables.pop, request_id))

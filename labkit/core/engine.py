@@ -322,7 +322,9 @@ class Engine:
             )
             for c in output.chunks
         ]
-        padding = [ScheduledWork(c.request.request_id, c.start, c.num_tokens, False, None) for c in output.padding]
+        padding = [
+            ScheduledWork(c.request.request_id, c.start, c.num_tokens, c.is_prefill, None) for c in output.padding
+        ]
         return StepReport(
             step=output.step,
             start_time=start,

@@ -42,7 +42,11 @@ Forward = Callable[[torch.Tensor, TritonBatch, int], torch.Tensor]  # (input ids
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 up to ``max_batch`` (which is always the last bucket)."""
+    """The batch sizes that get a graph: 1, 2, 4, 8, then every 8 up to ``max_batch`` (always the last one).
+
+    A batch runs in the smallest bucket that holds it: a few dozen graphs cover every size, and the padding
+    costs at most 7 rows (each a slot of -1 and an empty context).
+    """
     sizes = [size for size in (1, 2, 4) if size < max_batch]
     sizes += list(range(8, max_batch, 8))
     return [*sizes, max_batch]

@@ -120,6 +120,7 @@ class ModelRunner:
             self.uploader = StepUploader(self.device)
 
     def clock(self) -> float:
+        """The engine's time stamps come from its runner: wall time here, simulated time in SimulatedModel."""
         return time.perf_counter()
 
     def init_cache(self, block_size: int, num_blocks: int | None) -> int:

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from labkit.serving.bench.report import rate_label, seconds_label
+
 THROUGHPUT_BINS = 50  # time bins across the longest run
 DASHES = ("solid", "dot", "dash", "dashdot", "longdash", "longdashdot")  # one per arrival rate in a sweep
 CLIP_FACTOR = 3  # batch-composition axis: up to this many times the largest decode step
@@ -222,7 +224,7 @@ def _labels(runs: Sequence[dict[str, Any]]) -> list[str]:
     """Mode names, with the rate added when the bench swept several rates."""
     if len({run["rate"] for run in runs}) == 1:
         return [run["mode"] for run in runs]
-    return [f"{run['mode']} @ {_rate(run['rate'])}" for run in runs]
+    return [f"{run['mode']} @ {rate_label(run['rate'])}" for run in runs]
 
 
 def _line_styles(runs: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
@@ -249,15 +251,8 @@ def _layout(figure: Any, x_title: str | None = None, y_title: str | None = None)
     return figure
 
 
-def _rate(rate: float | None) -> str:
-    return "offline" if rate is None else f"{rate:g}/s"
-
-
-def _seconds(summary: dict[str, float] | None, stat: str) -> str:
-    if summary is None:
-        return "-"
-    value = summary[stat]
-    return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
+def _stat(summary: dict[str, float] | None, stat: str) -> str:
+    return seconds_label(None if summary is None else summary[stat])
 
 
 def _summary_table(runs: Sequence[dict[str, Any]], labels: list[str]) -> str:
@@ -274,10 +269,10 @@ def _summary_table(runs: Sequence[dict[str, Any]], labels: list[str]) -> str:
             label,
             f"{m['request_throughput']:.2f}",
             f"{m['output_throughput']:.0f}",
-            _seconds(m["ttft"], "median"),
-            _seconds(m["ttft"], "p90"),
-            _seconds(m["tpot"], "p90"),
-            _seconds(m["e2e"], "p90"),
+            _stat(m["ttft"], "median"),
+            _stat(m["ttft"], "p90"),
+            _stat(m["tpot"], "p90"),
+            _stat(m["e2e"], "p90"),
             kv,
         )
         rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")

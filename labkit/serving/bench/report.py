@@ -92,7 +92,7 @@ def _ratio(result: BenchResult, reference: BenchResult) -> str:
 def _latency(name: str, stat: str) -> Callable[[RunMetrics], str]:
     def cell(m: RunMetrics) -> str:
         summary = getattr(m, name)
-        return "-" if summary is None else _seconds(getattr(summary, stat))
+        return "-" if summary is None else seconds_label(getattr(summary, stat))
 
     return cell
 
@@ -105,7 +105,7 @@ TABLE_ROWS: list[tuple[str, Callable[[RunMetrics], str]]] = [
     ("requests/s", lambda m: f"{m.request_throughput:.2f}"),
     ("output tokens/s", lambda m: f"{m.output_throughput:.1f}"),
     ("total tokens/s", lambda m: f"{m.total_throughput:.1f}"),
-    ("duration", lambda m: _seconds(m.duration)),
+    ("duration", lambda m: seconds_label(m.duration)),
     ("queue mean", _latency("queue_time", "mean")),
     *(
         (f"{label} {stat}", _latency(name, stat))
@@ -191,13 +191,15 @@ def describe_workload(workload: Sequence[WorkloadRequest], arrivals: bool = True
     return text + (", all at t=0 (offline)" if last == 0 else f", arrivals over {last:.1f} s")
 
 
-def _seconds(value: float | None) -> str:
+def seconds_label(value: float | None) -> str:
+    """A latency as people read it: milliseconds below a second, seconds above; "-" when not measured."""
     if value is None:
         return "-"
     return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
 def rate_label(rate: float | None) -> str:
+    """An arrival rate as the tables and plots label it: "offline" is every request at t=0."""
     return "offline" if rate is None else f"{rate:g}/s"
 
 

@@ -431,6 +431,44 @@ def padded_block_tables(segments: Sequence[Segment], contexts: Sequence[int], bl
     return block_ids, width
 
 
+class BlockTableRows:
+    """A step's block tables as int32 rows of one width, each table converted once per change, not once per step.
+
+    Turning Python ints into C ints costs tens of nanoseconds each: 256 requests with 800-token contexts
+    hold 12,800 block ids, a third of a millisecond per decode step, and a decode step on a GPU takes
+    about one. But a block table changes only when its request crosses into a new block. So each table's
+    row is kept, as bytes, with a copy of the list it came from. While the table is unchanged, comparing
+    it with that copy meets the same int objects and only compares pointers; any change (a new block, a
+    preemption, a table rebuilt by a plugged-in allocator) makes them differ, and the row is converted again.
+    Rows are found by the table object's ``id``: a new table that reuses an old one's id is compared like any other.
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[int, tuple[list[int], bytes]] = {}  # id(table) -> (copy of the table, its int32 row)
+
+    def padded(self, segments: Sequence[Segment], contexts: Sequence[int], block_size: int) -> tuple[bytearray, int]:
+        """Each segment's context blocks as int32 rows, padded with block 0 to the longest one; and that width.
+
+        The same rows as :func:`padded_block_tables`, as bytes.
+        """
+        width = max(1, -(-max(contexts) // block_size))
+        rows = self.rows
+        if len(rows) > 2 * len(segments) + 64:  # tables of requests that left: keep this step's only
+            live = {id(segment.block_table) for segment in segments}
+            self.rows = rows = {key: row for key, row in rows.items() if key in live}
+        padding = bytes(4 * width)
+        flat = bytearray()
+        for segment, context in zip(segments, contexts, strict=True):
+            table = segment.block_table
+            known = rows.get(id(table))
+            if known is None or known[0] != table:
+                known = rows[id(table)] = (list(table), array("i", table).tobytes())
+            used = 4 * -(-context // block_size)
+            flat += known[1][:used]
+            flat += padding[used:]
+        return flat, width
+
+
 def _decode_group(
     cache: PagedKVCache, members: list[tuple[int, Segment]], num_rows: int, device: torch.device
 ) -> DecodeGroup:

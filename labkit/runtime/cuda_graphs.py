@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from labkit.runtime.attention import PagedKVCache, Segment, context_length, padded_block_tables, slot_mapping
+from labkit.runtime.attention import BlockTableRows, PagedKVCache, Segment, context_length, slot_mapping
 from labkit.runtime.triton_attention import TritonBatch
 
 Forward = Callable[[torch.Tensor, TritonBatch, int], torch.Tensor]  # (input ids, batch, logits_to_keep) -> logits
@@ -56,12 +56,21 @@ class DecodeGraphs:
     """Captured decode steps of one model over one KV cache, for every bucket up to ``max_batch`` requests.
 
     ``max_blocks_per_seq`` is the block-table width: enough blocks for the model's longest request.
+    ``table_rows`` keeps the block tables' int32 rows between steps (shared with the eager Triton path).
     """
 
-    def __init__(self, forward: Forward, cache: PagedKVCache, max_batch: int, max_blocks_per_seq: int) -> None:
+    def __init__(
+        self,
+        forward: Forward,
+        cache: PagedKVCache,
+        max_batch: int,
+        max_blocks_per_seq: int,
+        table_rows: BlockTableRows | None = None,
+    ) -> None:
         device = cache.data.device
         self.forward = forward
         self.cache = cache
+        self.table_rows = BlockTableRows() if table_rows is None else table_rows
         self.buckets = bucket_sizes(max_batch)
         self.max_batch = max_batch
         self.width = max_blocks_per_seq
@@ -129,7 +138,7 @@ class DecodeGraphs:
         positions = [segment.start for segment in segments]
         seq_lens = [context_length(segment) for segment in segments]
         slots = slot_mapping(segments, block_size, scratch_slot=-1)  # -1: a static batch's padding row
-        flat_tables, width = padded_block_tables(segments, seq_lens, block_size)
+        flat_tables, width = self.table_rows.padded(segments, seq_lens, block_size)
         # Every row of the bucket is rewritten; padded rows get token 0 at position 0, no slot, no context.
         pad = [0] * (size - n)
         rows = array("i", token_ids)
@@ -142,7 +151,7 @@ class DecodeGraphs:
         header = self.host_header.view(4, self.max_batch)[:, :size]
         header.copy_(torch.frombuffer(rows, dtype=torch.int32).view(4, size))
         tables = self.host_tables[: n * width].view(n, width)
-        tables.copy_(torch.frombuffer(array("i", flat_tables), dtype=torch.int32).view(n, width))
+        tables.copy_(torch.frombuffer(flat_tables, dtype=torch.int32).view(n, width))
         self.header.copy_(self.host_header, non_blocking=True)
         self.block_tables[:n, :width].copy_(tables, non_blocking=True)
         if self.copied is not None:

@@ -134,7 +134,9 @@ class ModelRunner:
 
                 with torch.inference_mode():
                     max_blocks = -(-self.max_model_len // block_size)
-                    self.graphs = DecodeGraphs(self._forward, self.cache, self.config.max_num_seqs, max_blocks)
+                    self.graphs = DecodeGraphs(
+                        self._forward, self.cache, self.config.max_num_seqs, max_blocks, self.uploader.table_rows
+                    )
         _RUNNERS.setdefault(self.model, weakref.WeakSet()).add(self)  # from now on it needs the model as it is
         return num_blocks
 

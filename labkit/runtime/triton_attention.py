@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from transformers import AttentionInterface
 
-from labkit.runtime.attention import PagedKVCache, Segment, context_length, padded_block_tables, slot_mapping
+from labkit.runtime.attention import BlockTableRows, PagedKVCache, Segment, context_length, slot_mapping
 
 TRITON_ATTENTION_NAME = "labkit_triton"
 ALIGN = 4  # int32s in 16 bytes
@@ -349,6 +349,7 @@ class StepUploader:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.table_rows = BlockTableRows()  # kept between steps, shared with the runner's decode graphs
         self.pinned = torch.empty(0, dtype=torch.int32)
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
 
@@ -383,19 +384,21 @@ def build_triton_batch(
         query_start_loc.append(len(positions))
     seq_lens = [context_length(segment) for segment in segments]
     slots = slot_mapping(segments, block_size, scratch_slot=-1)  # -1: the store kernel skips the row
-    flat_tables, width = padded_block_tables(segments, seq_lens, block_size)
+    flat_tables, width = uploader.table_rows.padded(segments, seq_lens, block_size)
     # 0 keeps every row: a pure decode step samples from all of them, and then needs no index.
     keep_all = len(sample_rows) == len(token_ids)
     keep_rows = [] if keep_all else sample_rows
     # Each part starts on a 16-byte boundary (a multiple of ALIGN ints): Triton specialises kernels on the
     # alignment of their pointers, so unaligned parts would compile new variants as the step sizes change.
     values, offsets = array("i"), []
-    for part in (token_ids, positions, slots, query_start_loc, seq_lens, keep_rows, flat_tables):
+    for part in (token_ids, positions, slots, query_start_loc, seq_lens, keep_rows):
         offsets.append(len(values))
         values.extend(part)
         values.extend([0] * (-len(values) % ALIGN))
+    offsets.append(len(values))
+    values.frombytes(flat_tables)
     data = uploader.upload(values)
-    sizes = [len(token_ids)] * 3 + [len(query_start_loc), len(seq_lens), len(keep_rows), len(flat_tables)]
+    sizes = [len(token_ids)] * 3 + [len(query_start_loc), len(seq_lens), len(keep_rows), len(seq_lens) * width]
     pieces = [data[offset : offset + size] for offset, size in zip(offsets, sizes, strict=True)]
     input_ids, position_ids, slot_ids, query_start, lens, keep, block_tables = pieces
     batch = TritonBatch(

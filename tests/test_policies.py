@@ -60,6 +60,24 @@ def test_priority_a_better_request_takes_the_blocks_it_needs_from_worse_ones():
     assert engine.requests[low].finish_reason == "length" and engine.requests[low].metrics.num_preemptions == 1
 
 
+def test_priority_with_prefix_caching_counts_only_the_uncached_tokens_of_a_better_request():
+    # Without chunked prefill a request must compute its prompt in one step. The second better request's
+    # prompt (14 tokens) is longer than the budget the first leaves (8), but 12 of them are cached: it
+    # displaces the last worse request now instead of waiting a step for budget it does not need.
+    engine = engine_for("priority", max_batch_tokens=16, chunked_prefill=False, enable_prefix_caching=True)
+    shared = list(range(10, 22))
+    engine.generate([shared], SamplingParams(max_new_tokens=2))
+    low = [engine.add_request([5, 6], SamplingParams(max_new_tokens=15, priority=5)) for _ in range(2)]
+    engine.step()
+    first = engine.add_request([8] * 8, SamplingParams(max_new_tokens=2))
+    second = engine.add_request([*shared, 7, 7], SamplingParams(max_new_tokens=2))
+    report = engine.step()
+    assert report.admitted == [first, second] and report.preempted == [low[1], low[0]]
+    assert {w.request_id: w.num_tokens for w in report.scheduled} == {first: 8, second: 2}
+    run_to_completion(engine)
+    assert [engine.requests[r].finish_reason for r in (*low, first, second)] == ["length"] * 4
+
+
 def test_priority_never_displaces_an_equal_or_better_request():
     engine = engine_for("priority")
     first = [engine.add_request([5, 6], SamplingParams(max_new_tokens=10, priority=1)) for _ in range(2)]

@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 from labkit.core.blocks import BlockAllocator
 from labkit.core.config import EngineConfig
+from labkit.core.prefix_cache import PrefixMatch
 from labkit.core.queues import QUEUES
 from labkit.core.request import Request, RequestState
 
@@ -277,8 +278,8 @@ class Scheduler:
                 if used := self._admit(output, head, budget, end_of_running):
                     budget -= used
                     head = next(waiting, None)
-                elif not cfg.chunked_prefill and head.num_tokens > budget:
-                    break  # it needs a step with more budget, not more room
+                elif not cfg.chunked_prefill and head.num_tokens - self._cached_prefix(head)[1] > budget:
+                    break  # what it must compute needs a step with more budget, not more room
                 else:  # displace the lowest-ranked running request
                     end_of_running -= 1
                     self.preempt(output, last)
@@ -297,7 +298,7 @@ class Scheduler:
                 continue
             end = request.num_computed_tokens + num_tokens
             needed = allocator.blocks_needed(request.request_id, end)  # usually 0: decodes fill the last block
-            while needed > allocator.num_free_blocks and end_of_running > i:
+            while needed and needed > allocator.num_free_blocks and end_of_running > i:
                 end_of_running -= 1
                 self.preempt(output, running[end_of_running])  # the most recently admitted, or lowest-ranked
             if end_of_running == i:  # preempted itself: nothing younger was left
@@ -336,8 +337,7 @@ class Scheduler:
         cfg, allocator = self.config, self.allocator
         if num_running + len(output.admitted) >= cfg.max_num_seqs:
             return 0
-        prefix = allocator.match_prefix(request) if self.prefix_caching else None
-        start = len(prefix.blocks) * allocator.block_size if prefix is not None else 0
+        prefix, start = self._cached_prefix(request)
         remaining = request.num_tokens - start
         num_tokens = min(remaining, budget)
         if num_tokens < remaining and not cfg.chunked_prefill:
@@ -350,6 +350,13 @@ class Scheduler:
             output.num_cached_tokens[request.request_id] = start
         output.add_chunk(request, start, num_tokens, True)
         return num_tokens
+
+    def _cached_prefix(self, request: Request) -> tuple[PrefixMatch | None, int]:
+        """The cached blocks ``request`` would start from (None with prefix caching off), and the tokens they hold."""
+        if not self.prefix_caching:
+            return None, 0
+        prefix = self.allocator.match_prefix(request)
+        return prefix, len(prefix.blocks) * self.allocator.block_size
 
     def preempt(self, output: SchedulerOutput, victim: Request) -> None:
         """Plan to preempt ``victim`` (exercise 4): free all its blocks now and list it in ``output.preempted``."""

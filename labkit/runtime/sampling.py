@@ -49,13 +49,17 @@ class Sampler:
             seeded_uniform(p.seed, indices[i]) if p.seed is not None else self.rng.random()
             for i, p in zip(sampled_rows, chosen, strict=True)
         ]
-        rows = torch.tensor(sampled_rows, device=logits.device)
+        # One host-to-device copy for every per-row value (float64 holds each of them exactly); on a GPU each
+        # copy from Python lists waits for the forward pass, so five separate ones would wait five times.
+        columns = [sampled_rows, [p.temperature for p in chosen], [p.top_k for p in chosen], [p.top_p for p in chosen]]
+        values = torch.tensor([*columns, uniforms], dtype=torch.float64).to(logits.device)
+        rows = values[0].long()
         tokens = self.sample_rows(
             logits[rows].float(),
-            temperature=torch.tensor([p.temperature for p in chosen], device=logits.device),
-            top_k=torch.tensor([p.top_k for p in chosen], device=logits.device),
-            top_p=torch.tensor([p.top_p for p in chosen], device=logits.device),
-            uniform=torch.tensor(uniforms, dtype=torch.float64, device=logits.device),
+            temperature=values[1].float(),
+            top_k=values[2].long(),
+            top_p=values[3].float(),
+            uniform=values[4],
         )
         greedy[rows] = tokens
         return greedy.tolist()

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel
-from labkit.core.report import StepReport
+from labkit.core.report import StepReport, summarize_run
 from labkit.core.request import RequestOutput
 from labkit.exercises.command import main as check_main
 from labkit.serving.bench.cli import main as bench_main
@@ -115,22 +115,18 @@ def summarize(runs: dict[str, list[StepReport]], clock: str, console: Console) -
     table = Table(title=f"continuous vs static on the same requests ({clock})")
     for column in ("policy", "steps", "time (s)", "tokens", "tokens/s", "wasted slots", "peak KV use", "vs static"):
         table.add_column(column, justify="right")
-    rates = {}
-    for policy, reports in runs.items():
-        tokens = sum(r.num_generated_tokens for r in reports)
-        rates[policy] = (tokens, reports[-1].end_time - reports[0].start_time)
-    static_rate = rates["static"][0] / rates["static"][1]
-    for policy, reports in runs.items():
-        tokens, elapsed = rates[policy]
+    summaries = [summarize_run(policy, reports) for policy, reports in runs.items()]
+    static_rate = next(s.tokens_per_s for s in summaries if s.label == "static")
+    for summary in summaries:
         table.add_row(
-            policy,
-            str(len(reports)),
-            f"{elapsed:.1f}",
-            str(tokens),
-            f"{tokens / elapsed:.1f}",
-            str(sum(r.wasted_slots for r in reports)),
-            f"{max(r.kv_usage for r in reports):.0%}",
-            f"{tokens / elapsed / static_rate:.2f}x",
+            summary.label,
+            str(summary.steps),
+            f"{summary.duration:.1f}",
+            str(summary.generated_tokens),
+            f"{summary.tokens_per_s:.1f}",
+            str(summary.wasted_slots),
+            f"{summary.peak_kv_usage:.0%}",
+            f"{summary.tokens_per_s / static_rate:.2f}x",
         )
     console.print(table)
 

@@ -7,7 +7,7 @@ drawn live, saved to a JSON trace, and replayed later (on a laptop, from a run r
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -193,6 +193,42 @@ def _rows(name: str, rows: Any, row_type: type[NamedTuple]) -> list[Any]:
 def _json_type(value: Any) -> str:
     names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
     return names.get(type(value), "a number")
+
+
+class RunSummary(NamedTuple):
+    """One run in numbers; ``tokens_per_s`` is generated tokens over the time from first step to last."""
+
+    label: str
+    device: str
+    steps: int
+    finished_requests: int
+    generated_tokens: int
+    duration: float
+    tokens_per_s: float
+    mean_batch_size: float
+    peak_kv_usage: float
+    preemptions: int
+    wasted_slots: int
+
+
+def summarize_run(label: str, reports: Sequence[StepReport], device: str = "") -> RunSummary:
+    """The run that made ``reports`` in numbers (what LiveThroughput's table and ``labkit demo`` print)."""
+    generated = sum(r.num_generated_tokens for r in reports)
+    duration = reports[-1].end_time - reports[0].start_time if reports else 0.0
+    busy = [len(r.scheduled) for r in reports if r.scheduled]
+    return RunSummary(
+        label=label,
+        device=device,
+        steps=len(reports),
+        finished_requests=sum(len(r.finished) for r in reports),
+        generated_tokens=generated,
+        duration=duration,
+        tokens_per_s=generated / duration if duration > 0 else 0.0,
+        mean_batch_size=sum(busy) / len(busy) if busy else 0.0,
+        peak_kv_usage=max((r.kv_usage for r in reports), default=0.0),
+        preemptions=sum(len(r.preempted) for r in reports),
+        wasted_slots=sum(r.wasted_slots for r in reports),
+    )
 
 
 class TraceError(ValueError):

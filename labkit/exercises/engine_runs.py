@@ -82,8 +82,25 @@ def lockstep(
     for engine in (mine, ref):
         for prompt, p in zip(prompts(workload), params, strict=True):
             engine.add_request(prompt, p)
+    run_in_lockstep(mine, ref, describe(config, workload), hint, rules=rules, after_step=after_step)
+
+
+def run_in_lockstep(
+    mine: Engine,
+    ref: Engine,
+    setup: str,
+    hint: str,
+    *,
+    rules: Sequence[tuple[Invariant, str]] = (),
+    after_step: tuple[Callable[[Engine, StepReport], str | None], str] | None = None,
+    show: Callable[[StepReport], str] = step_text,
+) -> None:
+    """Step two engines holding the same requests until both finish; Mismatch at the first step that differs.
+
+    ``setup`` describes the run for the feedback; ``show`` is what a step is compared by (its scheduled
+    work, by default). ``rules`` and ``after_step`` as in :func:`lockstep`; the config the rules see is ``mine``'s.
+    """
     done: list[str] = []
-    setup = describe(config, workload)
     showing(setup)
     for _ in range(MAX_STEPS):
         if not ref.has_unfinished() and not mine.has_unfinished():
@@ -91,19 +108,18 @@ def lockstep(
         so_far = "\n".join([setup, *done[-6:]])
         showing(f"{so_far}\n(in step {len(done) + 1})")
         expected, got = ref.step(), mine.step()
+        want = f"step {expected.step}: {show(expected)}"
         for rule, rule_hint in rules:
-            message = rule(mine, got, config)
+            message = rule(mine, got, mine.config)
             if message is not None:
-                raise Mismatch(so_far, f"step {got.step}: {step_text(expected)}", message, rule_hint)
-        if step_text(expected) != step_text(got):
-            raise Mismatch(
-                so_far, f"step {expected.step}: {step_text(expected)}", f"step {got.step}: {step_text(got)}", hint
-            )
+                raise Mismatch(so_far, want, message, rule_hint)
+        if show(expected) != show(got):
+            raise Mismatch(so_far, want, f"step {got.step}: {show(got)}", hint)
         if after_step is not None:
             message = after_step[0](mine, got)
             if message is not None:
-                raise Mismatch(so_far, f"step {expected.step}: {step_text(expected)}", message, after_step[1])
-        done.append(f"step {expected.step}: {step_text(expected)}")
+                raise Mismatch(so_far, want, message, after_step[1])
+        done.append(want)
     raise Mismatch(setup, "every request finishes", f"requests still unfinished after {MAX_STEPS} steps", hint)
 
 

@@ -15,11 +15,12 @@ Each widget also gives a plain plotly figure (``.figure()``), shown where widget
 Needs plotly; the interactive parts need ipywidgets (7.7.1 on Colab, 8 elsewhere).
 """
 
+from labkit.core.report import RunSummary
 from labkit.core.trace import Recorder, RequestInfo, record
 from labkit.viz._display import show_figure
 from labkit.viz.blockmap import BlockMap, request_color
 from labkit.viz.replay import BlockCell, CacheHistory, CacheState, RequestRow
-from labkit.viz.throughput import LiveThroughput, RunSummary, throughput_series
+from labkit.viz.throughput import LiveThroughput, throughput_series
 from labkit.viz.timeline import Span, Timeline, request_spans
 
 __all__ = [

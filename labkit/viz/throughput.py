@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import html
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from labkit.core.report import StepReport
+from labkit.core.report import RunSummary, StepReport, summarize_run
 from labkit.core.trace import Recorder
 from labkit.viz._compat import FigureView, Throttle
 from labkit.viz._display import Displayable
@@ -25,22 +25,6 @@ from labkit.viz.sources import as_recorders
 RUN_COLORS = {"continuous": "#4c78a8", "static": "#f58518"}
 SERIES = ("tokens_per_s", "kv_usage", "batch_size")
 SERIES_TITLES = ("generated tokens/s", "KV cache in use (%)", "requests in the step's batch")
-
-
-class RunSummary(NamedTuple):
-    """One run in numbers; ``tokens_per_s`` is generated tokens over the time from first step to last."""
-
-    label: str
-    device: str
-    steps: int
-    finished_requests: int
-    generated_tokens: int
-    duration: float
-    tokens_per_s: float
-    mean_batch_size: float
-    peak_kv_usage: float
-    preemptions: int
-    wasted_slots: int
 
 
 def throughput_series(reports: list[StepReport], window: int = 8) -> dict[str, list[float]]:
@@ -62,26 +46,6 @@ def throughput_series(reports: list[StepReport], window: int = 8) -> dict[str, l
         series["kv_usage"].append(100 * report.kv_usage)
         series["batch_size"].append(len({w.request_id for w in report.scheduled}))
     return series
-
-
-def summarize_run(label: str, recorder: Recorder) -> RunSummary:
-    reports = recorder.reports
-    generated = sum(r.num_generated_tokens for r in reports)
-    duration = reports[-1].end_time - reports[0].start_time if reports else 0.0
-    busy = [len(r.scheduled) for r in reports if r.scheduled]
-    return RunSummary(
-        label=label,
-        device=recorder.device,
-        steps=len(reports),
-        finished_requests=sum(len(r.finished) for r in reports),
-        generated_tokens=generated,
-        duration=duration,
-        tokens_per_s=generated / duration if duration > 0 else 0.0,
-        mean_batch_size=sum(busy) / len(busy) if busy else 0.0,
-        peak_kv_usage=max((r.kv_usage for r in reports), default=0.0),
-        preemptions=sum(len(r.preempted) for r in reports),
-        wasted_slots=sum(r.wasted_slots for r in reports),
-    )
 
 
 class LiveThroughput(Displayable):
@@ -125,7 +89,7 @@ class LiveThroughput(Displayable):
         return {label: throughput_series(r.reports, self.window) for label, r in self.runs.items()}
 
     def summary(self) -> list[RunSummary]:
-        return [summarize_run(label, recorder) for label, recorder in self.runs.items()]
+        return [summarize_run(label, recorder.reports, recorder.device) for label, recorder in self.runs.items()]
 
     def ratios(self) -> dict[str, dict[str, float]]:
         """Each other run against the baseline: its tokens/s and its duration as multiples (0 where undefined)."""

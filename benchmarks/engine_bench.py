@@ -35,6 +35,7 @@ from labkit import Engine, EngineConfig, SamplingParams
 from labkit.models.random import random_model
 from labkit.runtime.runner import device_name
 from labkit.serving.baselines import TransformersContinuous, padded_generate
+from labkit.serving.metrics import frozen_heap
 
 CACHE_TOKENS = 16384  # KV-cache slots for every method: room for the whole workload, no preemption
 MAX_BATCH_TOKENS = 512
@@ -140,8 +141,9 @@ def main() -> None:
         for name, session in SESSIONS.items():
             with session(model, args.block_size) as generate:
                 generate(prompts[:4], [4] * 4)  # warm-up
-                start_wall, start_cpu = time.perf_counter(), time.process_time()
-                outputs[name] = generate(prompts, wanted)
+                with frozen_heap():
+                    start_wall, start_cpu = time.perf_counter(), time.process_time()
+                    outputs[name] = generate(prompts, wanted)
                 wall[name] = min(wall[name], time.perf_counter() - start_wall)
                 cpu[name] = min(cpu[name], time.process_time() - start_cpu)
             if [len(o) for o in outputs[name]] != wanted:

@@ -54,7 +54,7 @@ from labkit import Engine, EngineConfig, SamplingParams, StepReport
 from labkit.models.random import random_model
 from labkit.runtime.runner import device_name, interpreter_runs_kernels, kv_bytes_per_block
 from labkit.serving.baselines import TransformersContinuous, padded_generate
-from labkit.serving.metrics import GpuMonitor, _nvml_handle
+from labkit.serving.metrics import GpuMonitor, _nvml_handle, frozen_heap
 from labkit.serving.workloads import WorkloadRequest, make_workload
 
 TRACE_DIR = Path(__file__).resolve().parent.parent / "labkit" / "data" / "traces"
@@ -290,7 +290,7 @@ def run_labkit(model: torch.nn.Module, settings: Settings, workload: list[Worklo
     engine.generate(prompts[:4], [SamplingParams(max_new_tokens=4, ignore_eos=True)] * 4)  # warm-up
     reports: list[StepReport] = []
     engine.step_listeners.append(reports.append)
-    with GpuMonitor() as gpu:
+    with GpuMonitor() as gpu, frozen_heap():
         sync(settings.device)
         start = time.perf_counter()
         outputs = engine.generate(prompts, params)
@@ -337,7 +337,7 @@ def run_transformers(model: torch.nn.Module, settings: Settings, workload: list[
             max_num_seqs=settings.max_num_seqs,
         ) as hf:
             hf.generate(prompts[:4], [4] * 4)  # warm-up
-            with GpuMonitor() as gpu:
+            with GpuMonitor() as gpu, frozen_heap():
                 start = time.perf_counter()
                 outputs = hf.generate(prompts, wanted)
                 wall = time.perf_counter() - start
@@ -596,7 +596,8 @@ def record_traces(model: torch.nn.Module, settings: Settings, directory: Path, p
         engine = Engine(model, engine_config(settings, policy, max_num_seqs=min(32, settings.max_num_seqs)))
         engine.step_listeners.append(NvmlSampler(settings.device))
         recorder = record(engine)
-        engine.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in wanted])
+        with frozen_heap():  # a collection's stall would show in the trace as one very slow step
+            engine.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in wanted])
         recorder.meta["model"] = f"random-weight {settings.model['size']} ({settings.model['arch']}), {settings.dtype}"
         path = recorder.save(directory / f"gpu_{policy}.json")
         samples = [r.gpu_util for r in recorder.reports if r.gpu_util is not None]

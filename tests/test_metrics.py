@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -11,6 +12,7 @@ from labkit.core.report import ScheduledWork, StepReport
 from labkit.core.request import RequestMetrics, RequestOutput, SamplingParams
 from labkit.serving.metrics import (
     GpuMonitor,
+    frozen_heap,
     meets_targets,
     parse_targets,
     request_stats,
@@ -228,3 +230,13 @@ def test_engine_run_is_self_consistent():
     m = run_metrics(outputs)
     assert m.num_output_tokens == 6 * 12
     assert m.duration == max(o.metrics.finish_time for o in outputs)  # every request arrived at 0
+
+
+def test_frozen_heap_freezes_only_while_the_timed_run_goes_on():
+    assert gc.get_freeze_count() == 0
+    with frozen_heap():
+        assert gc.get_freeze_count() > 0  # the objects that exist now are out of the collector's walk
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError, match="a run that fails"), frozen_heap():
+        raise RuntimeError("a run that fails")
+    assert gc.get_freeze_count() == 0  # unfrozen after an exception too

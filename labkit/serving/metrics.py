@@ -19,11 +19,13 @@ preemptions, prefill tokens computed and prefix-cache hits, and, on CUDA, peak G
 
 from __future__ import annotations
 
+import gc
 import itertools
 import re
 import sys
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
@@ -292,6 +294,26 @@ def sum_prefix_stats(reports: Iterable[StepReport]) -> PrefixCacheStats | None:
     """The prefix-cache lookups of a whole run, step by step added up; None if caching was off."""
     steps = [r.prefix_cache for r in reports if r.prefix_cache is not None]
     return sum(steps, PrefixCacheStats()) if steps else None
+
+
+# ---------------------------------------------------------------------------------------------- timing
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Keep Python's cycle collector off every object that exists now while a timed run goes on.
+
+    A run that keeps its step reports makes many small objects, and every so often that sets off a full
+    collection, which walks every tracked object: over half a million once torch and transformers are
+    imported, some 200 ms on a laptop-class CPU, a stall in the middle of the measured run. Servers
+    freeze their heap once they have started (vLLM calls ``gc.freeze()``); a benchmark does the same
+    around each timed run, and unfreezes afterwards (everything: not for use inside a freeze of one's own).
+    Reference counting frees objects as always.
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 # ---------------------------------------------------------------------------------------------- GPU

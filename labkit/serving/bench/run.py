@@ -14,7 +14,7 @@ from typing import Any
 
 from labkit.serving.bench.checks import check_modes, check_targets, check_workload
 from labkit.serving.bench.modes import MODES, BenchSetup, release_gpu_cache
-from labkit.serving.metrics import GpuMonitor, Run, RunMetrics, parse_targets, run_metrics
+from labkit.serving.metrics import GpuMonitor, Run, RunMetrics, frozen_heap, parse_targets, run_metrics
 from labkit.serving.workloads import WorkloadRequest
 
 
@@ -74,7 +74,7 @@ def run_bench(
             if on_run is not None:
                 on_run(mode, repeat)
             try:
-                with GpuMonitor() as gpu:
+                with GpuMonitor() as gpu, frozen_heap():
                     run = MODES[mode](workload, setup)
                 metrics = run_metrics(
                     run.outputs,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import itertools
 import json
 import os
 import random
@@ -232,7 +233,8 @@ def check_parity(settings: Settings, part: dict[str, Any]) -> bool:
 
 
 def check_kernel(settings: Settings, part: dict[str, Any]) -> bool:
-    """The Triton kernel against the torch path on random mixed steps (GQA 1/4/7/8, head dims 64/128)."""
+    """The Triton kernel against the torch path on random steps (GQA 1/4/7/8, head dims 64/128): a mixed step,
+    and a decode step of three requests, which a GPU splits into parts (triton_attention.decode_splits)."""
     if not HAS_TRITON:
         part["skipped"] = "triton is not installed"
         return True
@@ -253,10 +255,13 @@ def check_kernel(settings: Settings, part: dict[str, Any]) -> bool:
     tolerance = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
     rng = random.Random(1)
     ok = True
-    for group, head_dim, block_size, dtype in shapes:
-        longest = 40 if settings.quick else 900
-        specs = [(0, rng.randint(2, longest // 2)), (rng.randint(1, longest), 1), (rng.randint(1, longest), 7)]
-        specs += [(rng.randint(1, longest), 1) for _ in range(3 if settings.quick else 60)]
+    longest = 40 if settings.quick else 900
+    for (group, head_dim, block_size, dtype), kind in itertools.product(shapes, ("mixed", "3 decodes")):
+        if kind == "mixed":
+            specs = [(0, rng.randint(2, longest // 2)), (rng.randint(1, longest), 1), (rng.randint(1, longest), 7)]
+            specs += [(rng.randint(1, longest), 1) for _ in range(3 if settings.quick else 60)]
+        else:
+            specs = [(rng.randint(1, longest), 1) for _ in range(3)]
         num_kv = 2
         num_blocks = sum(-(-(c + n) // block_size) for c, n in specs) + 1
         free = list(range(num_blocks))
@@ -277,7 +282,7 @@ def check_kernel(settings: Settings, part: dict[str, Any]) -> bool:
         error = float((got.float() - expected).abs().max())
         passed = error <= tolerance[dtype]
         ok &= passed
-        name = f"group {group}, head_dim {head_dim}, block {block_size}, {str(dtype).removeprefix('torch.')}"
+        name = f"{kind}: group {group}, head_dim {head_dim}, block {block_size}, {str(dtype).removeprefix('torch.')}"
         part[name] = {"max_abs_error": error, "tolerance": tolerance[dtype], "tokens": tokens, "passed": passed}
     return ok
 

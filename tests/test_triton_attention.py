@@ -121,6 +121,49 @@ def test_other_launch_shapes_and_64_bit_offsets_give_the_same_result(
     torch.testing.assert_close(got, default, atol=TOLERANCE[torch.float32], rtol=0)
 
 
+DECODES = [(0, 1), (2, 1), (37, 1), (130, 1), (64, 1)]  # decode rows over 1 to 131 keys
+
+
+def forcing_splits(monkeypatch: pytest.MonkeyPatch, num_splits: int) -> None:
+    """Make every decode step split its contexts, as a GPU does for a small batch (a CPU never splits)."""
+    original = triton_attention.paged_attention
+
+    def split(*args, **kwargs):
+        return original(*args, **kwargs, num_splits=num_splits)
+
+    monkeypatch.setattr(triton_attention, "paged_attention", split)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 16])
+@pytest.mark.parametrize("group, head_dim", [(1, 64), (7, 64), (4, 128)])
+def test_a_decode_step_split_into_parts_matches_torch(
+    group: int, head_dim: int, num_splits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """16 parts of a 1-key context leave 15 parts empty; 3 rounds up to 4; every part is merged by its weight."""
+    expected, unsplit, _, _ = run_both(DECODES, group=group, head_dim=head_dim, block_size=16, seed=num_splits)
+    forcing_splits(monkeypatch, num_splits)
+    _, got, _, _ = run_both(DECODES, group=group, head_dim=head_dim, block_size=16, seed=num_splits)
+    torch.testing.assert_close(got, expected, atol=TOLERANCE[torch.float32], rtol=0)
+    torch.testing.assert_close(got, unsplit, atol=TOLERANCE[torch.float32], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_split_decode_in_half_precision_and_a_sliding_window(dtype: torch.dtype, monkeypatch) -> None:
+    expected, _, _, _ = run_both(DECODES, group=4, head_dim=64, block_size=16, window=40, seed=5)
+    forcing_splits(monkeypatch, 4)
+    _, got, _, _ = run_both(DECODES, group=4, head_dim=64, block_size=16, dtype=dtype, window=40, seed=5)
+    torch.testing.assert_close(got.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_decode_splits_fill_the_gpu_only_when_the_batch_cannot() -> None:
+    sms = 132  # an H100/H200
+    assert triton_attention.decode_splits(2, sms) == 16  # batch 1, 2 KV heads: capped
+    assert triton_attention.decode_splits(128, sms) == 4  # batch 64: 264 / 128, rounded up to a power of two
+    assert triton_attention.decode_splits(264, sms) == 1  # two programs per SM already
+    assert triton_attention.decode_splits(512, sms) == 1
+    assert triton_attention.decode_splits(80, 40) == 1  # a T4's 40 SMs, batch 40 x 2 KV heads
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_half_precision_within_tolerance(dtype: torch.dtype) -> None:
     expected, got, _, _ = run_both(MIXED, group=4, head_dim=64, block_size=16, dtype=dtype, seed=7)
@@ -181,19 +224,19 @@ def test_store_skips_padded_slots_and_padded_rows_attend_to_nothing() -> None:
     torch.testing.assert_close(flat_keys[:, 5], key[0])
     torch.testing.assert_close(flat_keys[:, 17], key[2])
     assert int((flat_keys.abs().sum(-1) > 0).sum()) == 4  # two slots x two heads, nothing for the -1 row
-    # Two decode rows, the second padded (no context): its output is zeros, not NaN.
+    # Two decode rows, the second padded (no context): its output is zeros, not NaN, split or not.
     query = torch.randn(2, 8, 64, device=DEVICE)
-    out = triton_attention.paged_attention(
-        query,
-        key_cache,
-        value_cache,
-        torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE),
-        torch.tensor([6, 0], dtype=torch.int32, device=DEVICE),
-        torch.tensor([[0], [0]], dtype=torch.int32, device=DEVICE),
-        0.125,
-        max_query_len=1,
-    )
+    metadata = [torch.tensor(v, dtype=torch.int32, device=DEVICE) for v in ([0, 1, 2], [6, 0], [[0], [0]])]
+
+    def attend(num_splits: int | None = None) -> torch.Tensor:
+        args = (query, key_cache, value_cache, *metadata, 0.125)
+        return triton_attention.paged_attention(*args, max_query_len=1, num_splits=num_splits)
+
+    out = attend()
     assert torch.isfinite(out).all() and not out[0].eq(0).all() and out[1].eq(0).all()
+    torch.testing.assert_close(attend(num_splits=4), out, atol=TOLERANCE[torch.float32], rtol=0)
+    with pytest.raises(ValueError, match="num_splits"):
+        attend(num_splits=32)
 
 
 def test_bucket_sizes() -> None:
@@ -228,6 +271,17 @@ def test_engine_triton_backend_matches_torch_and_graph_replays() -> None:
         model, prompts, wanted, attention_backend="triton", use_cuda_graph=True, num_blocks=9
     )
     assert tokens == expected and preemptions > 0
+
+
+def test_engine_with_split_decodes_generates_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every decode step split in 4, graphs on: the same greedy tokens as the torch path."""
+    model = random_model("qwen2", "tiny", num_hidden_layers=1)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 1024) for _ in range(rng.randint(3, 40))] for _ in range(4)]
+    wanted = [12, 3, 20, 7]
+    expected, _ = generate(model, prompts, wanted, attention_backend="torch")
+    forcing_splits(monkeypatch, 4)
+    assert generate(model, prompts, wanted, attention_backend="triton", use_cuda_graph=True) == (expected, 0)
 
 
 def test_backend_and_graph_options_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,10 +23,16 @@ context length replays correctly at any other (labkit.runtime.cuda_graphs).
 
 A second, tiny kernel stores the step's new keys and values through the slot mapping; a slot of -1 (a
 padded row of a CUDA graph's batch) is skipped.
+
+A decode step of a few requests has few programs (batch 1 of a model with 2 KV heads: 2), each walking a
+long context one tile at a time while most of the GPU waits. Such a step splits every context into up to
+16 parts, one program each, which write their part's output and log-sum-exp; a third kernel merges the
+parts, weighting each by its share of the softmax sum (the idea behind "flash decoding").
 """
 
 from __future__ import annotations
 
+import functools
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +50,7 @@ ALIGN = 4  # int32s in 16 bytes
 LOG2E = 1.4426950408889634
 # A KV head's part of the cache with this many elements or more is addressed with 64-bit offsets.
 WIDE_OFFSETS_FROM = 2**31
+MAX_SPLITS = 16  # parts a decode context is split into, at most
 
 
 @triton.jit
@@ -89,6 +96,8 @@ def _paged_attention_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
     scale_log2,
     num_seqs,
     stride_query_token,
@@ -109,12 +118,15 @@ def _paged_attention_kernel(
     WIDE_OFFSETS: tl.constexpr,
     WINDOW: tl.constexpr,
     DECODE_ONLY: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    """Program (query tile, KV head): attention of up to BLOCK_Q query rows x GROUP heads over their context."""
+    """Program (query tile, KV head, split): attention of up to BLOCK_Q query rows x GROUP heads over their
+    context, or over one of NUM_SPLITS consecutive parts of it (decode only; see paged_attention)."""
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     if DECODE_ONLY:  # one row per request: program = request
         seq = pid
         q_tile = 0
@@ -164,7 +176,13 @@ def _paged_attention_kernel(
     # each key position costs a register per offset, and 64-bit ones halve what fits on the chip.
     key_cache_ptr += kv_head.to(tl.int64) * stride_cache_head
     value_cache_ptr += kv_head.to(tl.int64) * stride_cache_head
-    for tile in range(first // TILE, tl.cdiv(end, TILE)):
+    tile_begin = first // TILE
+    tile_end = tl.cdiv(end, TILE)
+    if NUM_SPLITS > 1:  # this program walks its split's share of the key tiles (none, if the context is short)
+        per_split = tl.cdiv(tile_end - tile_begin, NUM_SPLITS)
+        tile_begin += split * per_split
+        tile_end = tl.minimum(tile_end, tile_begin + per_split)
+    for tile in range(tile_begin, tile_end):
         j = tile * TILE + tl.arange(0, TILE)
         j_ok = j < end
         block = tl.load(block_tables_ptr + seq * stride_block_table + j // BLOCK_SIZE, mask=j_ok, other=0)
@@ -191,8 +209,48 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a row with no keys (a padded row) gets zeros
+    if NUM_SPLITS > 1:  # this split's normalised output and log2-sum-exp, for _merge_splits_kernel
+        num_heads = tl.num_programs(1) * GROUP
+        part = ((q_begin + q_local).to(tl.int64) * num_heads + head) * NUM_SPLITS + split
+        row_mask = row_ok[:, None] & d_ok[None, :]
+        tl.store(partial_out_ptr + part[:, None] * HEAD_PAD + d[None, :], out, mask=row_mask)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+        tl.store(partial_lse_ptr + part, lse, mask=row_ok)
+        return
     out_offset = (q_begin + q_local).to(tl.int64)[:, None] * stride_out_token + head[:, None] * stride_out_head
     tl.store(out_ptr + out_offset + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    stride_out_token,
+    stride_out_head,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """Program (token, query head): combine the splits' outputs, each weighted by its share of the softmax sum.
+
+    Split s saw keys whose exp-sum is 2^lse_s; the whole row's output is the lse-weighted mean of the
+    splits' normalised outputs. A split that saw no keys has lse = -inf and weight 0; a row whose splits
+    all saw none (a padded row) gets zeros.
+    """
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    part = (token * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    lse = tl.load(partial_lse_ptr + part)
+    top = tl.max(lse, 0)
+    weight = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top)))
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD_DIM
+    parts = tl.load(partial_out_ptr + part[:, None] * HEAD_PAD + d[None, :], mask=d_ok[None, :], other=0.0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    out_offset = token * stride_out_token + head * stride_out_head
+    tl.store(out_ptr + out_offset + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def store_kv(
@@ -241,14 +299,18 @@ def paged_attention(
     out: torch.Tensor | None = None,
     tile: int | None = None,
     num_warps: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of the packed ``query`` rows (T, H, D) over their requests' paged contexts -> (T, H, D).
 
     ``max_query_len`` (a Python int the caller knows without asking the device) picks the variant:
     1 means every request decodes one token, and the grid is one program per request and KV head.
-    Everything the launch bakes in (grid, tile sizes, variant) depends only on T, N and the shapes,
-    which is what lets a CUDA graph capture it once per batch size. ``tile`` (key positions per loop
-    step, a power of two >= 16) and ``num_warps`` override :func:`launch_shape` (benchmarks sweep them).
+    A decode step with too few of those to keep the GPU busy splits each context into ``num_splits``
+    parts (rounded up to a power of two), one program each, and a second kernel merges them (default on
+    CUDA: :func:`decode_splits`; elsewhere 1).
+    Everything the launch bakes in (grid, tile sizes, variant, splits) depends only on T, N and the
+    shapes, which is what lets a CUDA graph capture it once per batch size. ``tile`` (key positions per
+    loop step, a power of two >= 16) and ``num_warps`` override :func:`launch_shape` (benchmarks sweep them).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, _, block_size, _ = key_cache.shape
@@ -264,9 +326,20 @@ def paged_attention(
     block_m = max(16, triton.next_power_of_2(group))  # tl.dot wants at least 16 rows
     block_q = block_m // group
     decode_only = max_query_len == 1
-    grid = (num_seqs if decode_only else num_tokens // block_q + num_seqs, num_kv_heads)
+    if not decode_only:
+        num_splits = 1
+    elif num_splits is None:  # a CPU runs the interpreter: nothing to spread
+        num_splits = decode_splits(num_seqs * num_kv_heads, _num_sms(query.device)) if query.is_cuda else 1
+    elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
+    num_splits = triton.next_power_of_2(num_splits)  # the merge kernel loads all splits as one vector
+    grid = (num_seqs if decode_only else num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     head_pad = max(16, triton.next_power_of_2(head_dim))
     default_tile, default_warps = launch_shape(head_pad)
+    partial_out = partial_lse = out  # not read unless the context is split
+    if num_splits > 1:
+        partial_out = torch.empty((num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=out.device)
+        partial_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=out.device)
     _paged_attention_kernel[grid](
         out,
         query,
@@ -275,6 +348,8 @@ def paged_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        partial_out,
+        partial_lse,
         scale * LOG2E,
         num_seqs,
         query.stride(0),
@@ -295,13 +370,47 @@ def paged_attention(
         WIDE_OFFSETS=key_cache.stride(0) >= WIDE_OFFSETS_FROM,  # one KV head's part of the cache, in elements
         WINDOW=sliding_window or 0,
         DECODE_ONLY=decode_only,
+        NUM_SPLITS=num_splits,
         # fp32 runs are parity checks: full-precision dots, not TF32.
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         # Triton's CPU interpreter multiplies bfloat16 matrices wrongly: it gets them in float32.
         DOT_FP32=query.dtype == torch.bfloat16 and query.device.type == "cpu",
         num_warps=num_warps or default_warps,
     )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out,
+            partial_out,
+            partial_lse,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_PAD=head_pad,
+            NUM_SPLITS=num_splits,
+        )
     return out
+
+
+def decode_splits(num_programs: int, num_sms: int) -> int:
+    """How many parts to split each context of a decode step into, for ``num_programs`` (requests x KV heads).
+
+    One program per request and KV head walks its whole context, one key tile after another, each waiting on
+    memory: a handful of them (batch 1 of a model with 2 KV heads runs 2) leaves most of a GPU idle. Splitting
+    brings the step to about two programs per streaming multiprocessor, in at most MAX_SPLITS parts (a power
+    of two). It depends on the batch size only, not the contexts, so a CUDA graph's launch stays valid.
+    """
+    wanted = -(-2 * num_sms // max(num_programs, 1))
+    return min(MAX_SPLITS, triton.next_power_of_2(wanted)) if wanted > 1 else 1
+
+
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device."""
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def launch_shape(head_pad: int) -> tuple[int, int]:

@@ -7,7 +7,8 @@
    and output lengths uniform in 100..1024, random-weight Qwen2.5-0.5B shape, bfloat16, EOS ignored), then on
    a ShareGPT-like workload. Output tokens per second of wall time, as nano-vllm counts them.
 3. Decode step time at batch 1, 8, 64 and 256 (800-token contexts) against the memory-bandwidth floor:
-   (weight bytes + KV bytes read per step) / the copy bandwidth measured in this run. CUDA graphs on and off.
+   (weight bytes + KV bytes read per step) / the copy bandwidth measured in this run. CUDA graphs on and off;
+   with graphs on, also the GPU's share alone (the step's graph replayed, no host work around it).
    The attention kernel alone at that batch, for each key-tile size and warp count, against the same floor.
 4. Utilisation - NVML's GPU utilisation, and model-bandwidth utilisation (bytes a step must read, over the
    time it took, over the measured bandwidth), labkit static against continuous.
@@ -27,6 +28,7 @@ Run: ``python benchmarks/gpu_check.py [--device cuda] [--quick] [--out gpu_check
 from __future__ import annotations
 
 import argparse
+import bisect
 import gc
 import importlib.util
 import itertools
@@ -407,19 +409,32 @@ def decode_floor(model: torch.nn.Module, settings: Settings, bandwidth: float, p
                 report = engine.step()  # ends by reading the sampled tokens: the step is done
                 times.append(time.perf_counter() - start)
                 contexts.append(sum(w.start + 1 for w in report.scheduled))
-            for request_id in ids:
-                engine.abort(request_id)
-            engine.step()  # reports the aborts
             step = statistics.median(times)
             floor = (weights + per_token * statistics.mean(contexts)) / bandwidth
-            part[f"batch {batch}, graphs {'on' if graphs else 'off'}"] = {
+            entry = part[f"batch {batch}, graphs {'on' if graphs else 'off'}"] = {
                 "step_ms": step * 1e3,
                 "floor_ms": floor * 1e3,
                 "x_floor": step / floor,
                 "tokens_per_s": batch / step,
             }
+            if graphs:  # the GPU's share of the step: its graph replayed alone, on the last step's inputs
+                device_step = replay_seconds(engine.runner.graphs, batch, settings.device)
+                entry |= {"device_ms": device_step * 1e3, "device_x_floor": device_step / floor}
+            for request_id in ids:
+                engine.abort(request_id)
+            engine.step()  # reports the aborts
         del engine
         release(settings.device)
+
+
+def replay_seconds(graphs: Any, batch: int, device: torch.device) -> float:
+    """Device seconds of one decode step with no host work around it: its bucket's graph, replayed.
+
+    The static buffers still hold the last step's inputs, so a replay recomputes that step (and stores
+    the same keys and values again). The difference to the step's time is the host's share.
+    """
+    size = graphs.buckets[bisect.bisect_left(graphs.buckets, batch)]
+    return _time_kernel(graphs.graphs[size].replay, 10, device)
 
 
 def kernel_shapes(model: torch.nn.Module, settings: Settings, bandwidth: float, part: dict) -> None:
@@ -659,6 +674,9 @@ def summary_table(results: dict[str, Any], bandwidth: float) -> tuple[Table, lis
         if isinstance(entry, dict) and "x_floor" in entry:
             target = f"<= {TARGETS['decode_256_floor_ratio']}x" if name.startswith("batch 256") else ""
             table.add_row(f"decode {name}: ms (x floor)", f"{entry['step_ms']:.2f} ({entry['x_floor']:.2f}x)", target)
+            if "device_ms" in entry:
+                device = f"{entry['device_ms']:.2f} ({entry['device_x_floor']:.2f}x)"
+                table.add_row("  of which the GPU alone (graph replay): ms (x floor)", device, "")
     shapes = {k: v for k, v in results.get("kernel shapes", {}).items() if isinstance(v, dict) and "us" in v}
     if shapes:
         default = next((k for k, v in shapes.items() if v["default"]), None)

@@ -5,11 +5,15 @@ It runs as it would on a bare GPU image: torch, transformers and triton, but no 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import torch
 
 from labkit import load_trace
 
@@ -48,3 +52,16 @@ def test_quick_cpu_run(tmp_path: Path) -> None:
     for policy in ("continuous", "static"):
         reports, meta = load_trace(tmp_path / f"gpu_{policy}.json")
         assert reports and meta["policy"] == policy
+
+
+def test_replay_seconds_times_the_graph_of_the_batch_s_bucket() -> None:
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    replays = []
+    graphs = SimpleNamespace(
+        buckets=[1, 2, 4, 8],
+        graphs={size: SimpleNamespace(replay=lambda size=size: replays.append(size)) for size in (1, 2, 4, 8)},
+    )
+    assert gpu_check.replay_seconds(graphs, 3, torch.device("cpu")) >= 0
+    assert set(replays) == {4} and len(replays) > 1  # batch 3 runs in the graph of bucket 4

@@ -417,6 +417,11 @@ def decode_floor(model: torch.nn.Module, settings: Settings, bandwidth: float, p
                 "x_floor": step / floor,
                 "tokens_per_s": batch / step,
             }
+            if engine.runner.attention_backend == "triton" and settings.device.type == "cuda":
+                from labkit.runtime.triton_attention import decode_splits, sm_count
+
+                kv_heads = engine.runner.num_kv_heads
+                entry["attention_splits"] = decode_splits(batch * kv_heads, sm_count(settings.device))
             if graphs:  # the GPU's share of the step: its graph replayed alone, on the last step's inputs
                 device_step = replay_seconds(engine.runner.graphs, batch, settings.device)
                 entry |= {"device_ms": device_step * 1e3, "device_x_floor": device_step / floor}
@@ -673,7 +678,9 @@ def summary_table(results: dict[str, Any], bandwidth: float) -> tuple[Table, lis
     for name, entry in results.get("decode floor", {}).items():
         if isinstance(entry, dict) and "x_floor" in entry:
             target = f"<= {TARGETS['decode_256_floor_ratio']}x" if name.startswith("batch 256") else ""
-            table.add_row(f"decode {name}: ms (x floor)", f"{entry['step_ms']:.2f} ({entry['x_floor']:.2f}x)", target)
+            parts = f", attention in {entry['attention_splits']} parts" if entry.get("attention_splits", 1) > 1 else ""
+            step = f"{entry['step_ms']:.2f} ({entry['x_floor']:.2f}x)"
+            table.add_row(f"decode {name}{parts}: ms (x floor)", step, target)
             if "device_ms" in entry:
                 device = f"{entry['device_ms']:.2f} ({entry['device_x_floor']:.2f}x)"
                 table.add_row("  of which the GPU alone (graph replay): ms (x floor)", device, "")

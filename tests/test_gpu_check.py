@@ -8,12 +8,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
+from rich.console import Console
 
 from labkit import load_trace
 
@@ -54,10 +57,15 @@ def test_quick_cpu_run(tmp_path: Path) -> None:
         assert reports and meta["policy"] == policy
 
 
-def test_replay_seconds_times_the_graph_of_the_batch_s_bucket() -> None:
+@pytest.fixture(scope="module")
+def gpu_check():
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_replay_seconds_times_the_graph_of_the_batch_s_bucket(gpu_check) -> None:
     replays = []
     graphs = SimpleNamespace(
         buckets=[1, 2, 4, 8],
@@ -65,3 +73,19 @@ def test_replay_seconds_times_the_graph_of_the_batch_s_bucket() -> None:
     )
     assert gpu_check.replay_seconds(graphs, 3, torch.device("cpu")) >= 0
     assert set(replays) == {4} and len(replays) > 1  # batch 3 runs in the graph of bucket 4
+
+
+def test_the_summary_shows_the_gpu_s_share_and_the_parts_of_a_split_decode(gpu_check) -> None:
+    """What a GPU run adds to the decode rows (graph replay alone, split attention), as the summary prints it."""
+    decode = {
+        "batch 1, graphs on": dict(step_ms=0.9, floor_ms=0.3, x_floor=3.0, device_ms=0.45, device_x_floor=1.5,
+                                   attention_splits=16),
+        "batch 256, graphs on": dict(step_ms=2.0, floor_ms=0.9, x_floor=2.22, device_ms=1.0, device_x_floor=1.11),
+    }  # fmt: skip
+    table, _ = gpu_check.summary_table({"decode floor": decode}, bandwidth=4e12)
+    console = Console(width=200, record=True)
+    console.print(table)
+    text = console.export_text()
+    assert "decode batch 1, graphs on, attention in 16 parts: ms (x floor)" in text and "0.90 (3.00x)" in text
+    assert "of which the GPU alone (graph replay)" in text and "0.45 (1.50x)" in text and "1.00 (1.11x)" in text
+    assert re.search(r"decode batch 256, graphs on: ms \(x floor\)\s+│\s+2\.00 \(2\.22x\)\s+│\s+<= 2\.0x", text)

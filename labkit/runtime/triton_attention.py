@@ -329,7 +329,7 @@ def paged_attention(
     if not decode_only:
         num_splits = 1
     elif num_splits is None:  # a CPU runs the interpreter: nothing to spread
-        num_splits = decode_splits(num_seqs * num_kv_heads, _num_sms(query.device)) if query.is_cuda else 1
+        num_splits = decode_splits(num_seqs * num_kv_heads, sm_count(query.device)) if query.is_cuda else 1
     elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
     num_splits = triton.next_power_of_2(num_splits)  # the merge kernel loads all splits as one vector
@@ -403,7 +403,7 @@ def decode_splits(num_programs: int, num_sms: int) -> int:
     return min(MAX_SPLITS, triton.next_power_of_2(wanted)) if wanted > 1 else 1
 
 
-def _num_sms(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device."""
     return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -396,8 +396,9 @@ def decode_splits(num_programs: int, num_sms: int) -> int:
 
     One program per request and KV head walks its whole context, one key tile after another, each waiting on
     memory: a handful of them (batch 1 of a model with 2 KV heads runs 2) leaves most of a GPU idle. Splitting
-    brings the step to about two programs per streaming multiprocessor, in at most MAX_SPLITS parts (a power
-    of two). It depends on the batch size only, not the contexts, so a CUDA graph's launch stays valid.
+    brings the step to at least two programs per streaming multiprocessor where MAX_SPLITS parts allow (the
+    count of parts is rounded up to a power of two). It depends on the batch size only, not the contexts, so a
+    CUDA graph's launch stays valid.
     """
     wanted = -(-2 * num_sms // max(num_programs, 1))
     return min(MAX_SPLITS, triton.next_power_of_2(wanted)) if wanted > 1 else 1

@@ -89,8 +89,9 @@ def timed(spent: list[float], function: Callable[..., Any]) -> Callable[..., Any
 
 def decode_steps(batch: int, context: int, steps: int, repeats: int) -> dict[str, float]:
     """Median host time per decode step and per phase, best of ``repeats`` runs of ``steps`` steps."""
-    engine = engine_for(batch, num_blocks=batch * (context // 16 + 2 * steps // 16 + 4) * 2)
     params = SamplingParams(max_new_tokens=steps * repeats + 8, ignore_eos=True)
+    blocks_per_request = -(-(context + params.max_new_tokens) // 16)  # no request is ever preempted
+    engine = engine_for(batch, num_blocks=batch * blocks_per_request)
     for i in range(batch):
         engine.add_request([3 + (7 * i + j) % 500 for j in range(context)], params)
     while engine.step().num_prefill_tokens:  # prefill everything

@@ -416,13 +416,18 @@ def _split_by_context(decodes: list[tuple[int, Segment]], block_size: int) -> li
     return [members[:split], members[split:]]
 
 
+def table_width(contexts: Sequence[int], block_size: int) -> int:
+    """Blocks per row of a step's padded block tables: enough for its longest context (at least one)."""
+    return max(1, -(-max(contexts) // block_size))
+
+
 def padded_block_tables(segments: Sequence[Segment], contexts: Sequence[int], block_size: int) -> tuple[list[int], int]:
     """Each segment's context blocks as rows of one width (the longest context's), padded with block 0.
 
     Only the blocks that cover ``contexts`` are listed: a block no row reads need not be gathered or sent.
     Returns the rows, flattened, and their width.
     """
-    width = max(1, -(-max(contexts) // block_size))
+    width = table_width(contexts, block_size)
     block_ids: list[int] = []
     for segment, context in zip(segments, contexts, strict=True):
         used = -(-context // block_size)
@@ -451,7 +456,7 @@ class BlockTableRows:
 
         The same rows as :func:`padded_block_tables`, as bytes.
         """
-        width = max(1, -(-max(contexts) // block_size))
+        width = table_width(contexts, block_size)
         rows = self.rows
         if len(rows) > 2 * len(segments) + 64:  # tables of requests that left: keep this step's only
             live = {id(segment.block_table) for segment in segments}

@@ -68,6 +68,7 @@ BF16_POLICY = (
     " half the generated length"
 )
 TARGETS = {"continuous_vs_hf": 3.0, "nano_tokens_per_s": 17_700, "decode_256_floor_ratio": 2.0}
+ASYNC = "labkit continuous, async scheduling"  # step N+1 planned and launched while step N runs
 
 
 class Settings:
@@ -290,9 +291,11 @@ def check_kernel(settings: Settings, part: dict[str, Any]) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- 2. throughput
-def run_labkit(model: torch.nn.Module, settings: Settings, workload: list[WorkloadRequest], policy: str) -> dict:
+def run_labkit(
+    model: torch.nn.Module, settings: Settings, workload: list[WorkloadRequest], policy: str, **options: Any
+) -> dict:
     prompts, wanted = requests_of(workload)
-    engine = Engine(model, engine_config(settings, policy))
+    engine = Engine(model, engine_config(settings, policy, **options))
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in wanted]
     engine.generate(prompts[:4], [SamplingParams(max_new_tokens=4, ignore_eos=True)] * 4)  # warm-up
     reports: list[StepReport] = []
@@ -305,19 +308,23 @@ def run_labkit(model: torch.nn.Module, settings: Settings, workload: list[Worklo
     if [len(o.output_token_ids) for o in outputs] != wanted:
         raise RuntimeError(f"labkit {policy} did not generate the requested number of tokens")
     weights, per_token = weight_bytes(model), kv_bytes_per_token(model)
-    decode_steps = [r for r in reports if r.num_prefill_tokens == 0]
+    # A step's time is the gap since the previous step ended: with async scheduling each report spans the
+    # launch to the token read, so durations overlap, while the gaps add up to the wall time.
+    gaps = [r.end_time - before.end_time for before, r in itertools.pairwise(reports)]
+    decode_steps = [(r, gap) for r, gap in zip(reports[1:], gaps, strict=True) if r.num_prefill_tokens == 0]
     result = {
         "wall_s": wall,
         "output_tokens": sum(wanted),
         "tokens_per_s": sum(wanted) / wall,
         "steps": len(reports),
         "bytes_read": sum(step_bytes(r, weights, per_token) for r in reports),
-        "decode_bytes_per_s": sum(step_bytes(r, weights, per_token) for r in decode_steps)
-        / max(sum(r.duration for r in decode_steps), 1e-9),
+        "decode_bytes_per_s": sum(step_bytes(r, weights, per_token) for r, _ in decode_steps)
+        / max(sum(gap for _, gap in decode_steps), 1e-9),
         "gpu_util_percent": gpu.utilization,
         "peak_memory_bytes": gpu.peak_memory_bytes,
         "attention_backend": engine.runner.attention_backend,
         "cuda_graphs": engine.runner.use_cuda_graph,
+        "async_scheduling": engine.config.async_scheduling,
         "graph_steps": engine.runner.graphs.num_replays if engine.runner.graphs is not None else 0,
     }
     del engine
@@ -366,6 +373,7 @@ def run_transformers(model: torch.nn.Module, settings: Settings, workload: list[
 def throughput(model: torch.nn.Module, settings: Settings, workload: list[WorkloadRequest], part: dict) -> None:
     runs: dict[str, Callable[[], dict]] = {
         "labkit continuous": lambda: run_labkit(model, settings, workload, "continuous"),
+        ASYNC: lambda: run_labkit(model, settings, workload, "continuous", async_scheduling=True),
         "labkit static": lambda: run_labkit(model, settings, workload, "static"),
         "transformers generate_batch": lambda: run_transformers(model, settings, workload),
     }
@@ -388,11 +396,13 @@ def decode_floor(model: torch.nn.Module, settings: Settings, bandwidth: float, p
     weights, per_token = weight_bytes(model), kv_bytes_per_token(model)
     rng = random.Random(2)
     vocab = model.config.vocab_size
-    graph_modes = [False, True] if settings.device.type == "cuda" and HAS_TRITON else [False]
-    for graphs in graph_modes:
-        engine = Engine(
-            model, engine_config(settings, max_num_seqs=max(settings.decode_batches), use_cuda_graph=graphs)
+    # (CUDA graphs, async scheduling): on a CPU, graphs need the Triton interpreter, far too slow to time.
+    modes = [(False, False), (True, False), (True, True)] if settings.device.type == "cuda" and HAS_TRITON else []
+    for graphs, ahead in modes or [(False, False), (False, True)]:
+        config = engine_config(
+            settings, max_num_seqs=max(settings.decode_batches), use_cuda_graph=graphs, async_scheduling=ahead
         )
+        engine = Engine(model, config)
         for batch in settings.decode_batches:
             params = SamplingParams(max_new_tokens=settings.decode_steps + 8, ignore_eos=True)
             ids = [
@@ -411,7 +421,8 @@ def decode_floor(model: torch.nn.Module, settings: Settings, bandwidth: float, p
                 contexts.append(sum(w.start + 1 for w in report.scheduled))
             step = statistics.median(times)
             floor = (weights + per_token * statistics.mean(contexts)) / bandwidth
-            entry = part[f"batch {batch}, graphs {'on' if graphs else 'off'}"] = {
+            name = f"batch {batch}, graphs {'on' if graphs else 'off'}{', async scheduling' if ahead else ''}"
+            entry = part[name] = {
                 "step_ms": step * 1e3,
                 "floor_ms": floor * 1e3,
                 "x_floor": step / floor,
@@ -427,7 +438,8 @@ def decode_floor(model: torch.nn.Module, settings: Settings, bandwidth: float, p
                 entry |= {"device_ms": device_step * 1e3, "device_x_floor": device_step / floor}
             for request_id in ids:
                 engine.abort(request_id)
-            engine.step()  # reports the aborts
+            while engine.has_unfinished():  # reports the aborts (and, async, finishes the steps launched ahead)
+                engine.step()
         del engine
         release(settings.device)
 
@@ -660,21 +672,21 @@ def summary_table(results: dict[str, Any], bandwidth: float) -> tuple[Table, lis
     for workload in ("nano-vllm", "sharegpt-like"):
         part = results.get(f"throughput {workload}", {})
         rates = {k: v.get("tokens_per_s") for k, v in part.items() if isinstance(v, dict) and "tokens_per_s" in v}
+        continuous = [name for name in rates if name.startswith("labkit continuous")]
+        best = max(continuous, key=lambda name: rates[name], default=None)  # the targets hold for the best
         for name, rate in rates.items():
             target = ""
-            if workload == "nano-vllm" and name == "labkit continuous":
+            if workload == "nano-vllm" and name == best:
                 target = f">= {TARGETS['nano_tokens_per_s']:,}"
             table.add_row(f"{workload}: {name} tok/s", f"{rate:,.0f}", target)
-        for name in ("labkit continuous", "labkit static"):
+        for name in (*continuous, "labkit static"):
             entry = part.get(name, {})
             if "decode_bytes_per_s" in entry:
                 table.add_row(f"{workload}: {name} MBU (decode)", f"{entry['decode_bytes_per_s'] / bandwidth:.0%}", "")
         hf = rates.get("transformers generate_batch")
-        if hf and rates.get("labkit continuous"):
-            ratio = rates["labkit continuous"] / hf
-            table.add_row(
-                f"{workload}: continuous / transformers", f"{ratio:.2f}x", f">= {TARGETS['continuous_vs_hf']}x"
-            )
+        if hf and best is not None:
+            ratio = rates[best] / hf
+            table.add_row(f"{workload}: {best} / transformers", f"{ratio:.2f}x", f">= {TARGETS['continuous_vs_hf']}x")
     for name, entry in results.get("decode floor", {}).items():
         if isinstance(entry, dict) and "x_floor" in entry:
             target = f"<= {TARGETS['decode_256_floor_ratio']}x" if name.startswith("batch 256") else ""

@@ -45,9 +45,18 @@ def test_quick_cpu_run(tmp_path: Path) -> None:
     assert results["correctness"]["parity"]["float32"]["passed"]
     for workload in ("nano-vllm", "sharegpt-like"):
         part = results[f"throughput {workload}"]
-        for method in ("labkit continuous", "labkit static", "transformers generate_batch"):
+        methods = (
+            "labkit continuous",
+            "labkit continuous, async scheduling",
+            "labkit static",
+            "transformers generate_batch",
+        )
+        for method in methods:
             assert part[method]["tokens_per_s"] > 0, (workload, method, part[method])
-    assert all(entry["x_floor"] > 0 for entry in results["decode floor"].values() if isinstance(entry, dict))
+        assert part["labkit continuous, async scheduling"]["async_scheduling"]
+    floor = {name: entry for name, entry in results["decode floor"].items() if isinstance(entry, dict)}
+    assert all(entry["x_floor"] > 0 for entry in floor.values())
+    assert "batch 4, graphs off, async scheduling" in floor
     kernels = results["profile"]["kernels"]
     assert kernels["ms_per_step"] > 0 and kernels["top"] and sum(kernels["by_kind_ms"].values()) > 0
     shapes = [entry for entry in results["kernel shapes"].values() if isinstance(entry, dict) and "us" in entry]
@@ -89,3 +98,18 @@ def test_the_summary_shows_the_gpu_s_share_and_the_parts_of_a_split_decode(gpu_c
     assert "decode batch 1, graphs on, attention in 16 parts: ms (x floor)" in text and "0.90 (3.00x)" in text
     assert "of which the GPU alone (graph replay)" in text and "0.45 (1.50x)" in text and "1.00 (1.11x)" in text
     assert re.search(r"decode batch 256, graphs on: ms \(x floor\)\s+│\s+2\.00 \(2\.22x\)\s+│\s+<= 2\.0x", text)
+
+
+def test_the_throughput_targets_are_read_off_the_best_continuous_run(gpu_check) -> None:
+    part = {
+        "labkit continuous": {"tokens_per_s": 20_000.0},
+        "labkit continuous, async scheduling": {"tokens_per_s": 30_000.0},
+        "transformers generate_batch": {"tokens_per_s": 8_000.0},
+    }
+    table, _ = gpu_check.summary_table({"throughput nano-vllm": part}, bandwidth=4e12)
+    console = Console(width=200, record=True)
+    console.print(table)
+    text = console.export_text()
+    assert re.search(r"nano-vllm: labkit continuous, async scheduling tok/s\s+│\s+30,000\s+│\s+>= 17,700", text)
+    assert re.search(r"nano-vllm: labkit continuous tok/s\s+│\s+20,000\s+│\s+│", text)
+    assert re.search(r"labkit continuous, async scheduling / transformers\s+│\s+3\.75x\s+│\s+>= 3\.0x", text)

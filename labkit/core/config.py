@@ -35,6 +35,11 @@ class EngineConfig:
     ``"triton"`` (one fused kernel per layer, labkit.runtime.triton_attention) or ``"auto"`` (Triton on
     CUDA when it is installed, torch otherwise). ``use_cuda_graph`` replays decode-only steps as CUDA
     graphs (labkit.runtime.cuda_graphs); None means on wherever the Triton backend runs on CUDA.
+
+    ``async_scheduling`` plans and launches step N+1 before step N's sampled tokens are back on the host,
+    so on a GPU the host's Python work overlaps the GPU's (continuous policy only). Every running request
+    is assumed to go on; one that step N stops (EOS, a stop token) has its row in step N+1 computed and
+    thrown away. Tokens are the same as without it; each step's report comes one ``step()`` later.
     """
 
     block_size: int = 16
@@ -50,6 +55,7 @@ class EngineConfig:
     scheduling: str = "fcfs"
     attention_backend: str = "auto"
     use_cuda_graph: bool | None = None
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batch_tokens"):
@@ -68,12 +74,16 @@ class EngineConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"scheduling must be one of {SCHEDULING}, got {self.scheduling!r}")
-        for name in ("chunked_prefill", "pack_weights", "enable_prefix_caching"):
+        for name in ("chunked_prefill", "pack_weights", "enable_prefix_caching", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.enable_prefix_caching and self.policy == "static":
             raise ValueError(
                 "enable_prefix_caching needs policy='continuous': the static baseline prefills whole padded prompts"
+            )
+        if self.async_scheduling and self.policy == "static":
+            raise ValueError(
+                "async_scheduling needs policy='continuous': a static batch's rows are fixed, there is nothing to plan"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")

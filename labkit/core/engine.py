@@ -7,6 +7,9 @@ can be swapped (``allocator_cls=``, ``scheduler_cls=``), and so can the torch ru
 attention and sampler (``slot_mapping_fn=``, ``attention_fn=``, ``sampler=``): that is how the
 exercises plug in.
 
+With ``EngineConfig(async_scheduling=True)`` the engine keeps one step launched ahead: it plans and
+launches step N+1 while the model still runs step N (see ``Engine.step``).
+
 A step is all or nothing (``Engine.step``). A plugged-in scheduler keeps that promise by changing
 requests and queues only in ``update`` (``schedule`` plans); a plugged-in allocator by changing its
 state through BlockAllocator's methods, or journalling its own (``BlockAllocator.record_undo``).
@@ -17,13 +20,15 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 from labkit.core.blocks import BlockAllocator
 from labkit.core.config import EngineConfig
 from labkit.core.report import ScheduledWork, StepReport
-from labkit.core.request import Request, RequestMetrics, RequestOutput, SamplingParams
+from labkit.core.request import PENDING_TOKEN, Request, RequestMetrics, RequestOutput, SamplingParams
 from labkit.core.scheduler import Scheduler, SchedulerOutput
 
 
@@ -45,6 +50,21 @@ class Runner(Protocol):
 
     def wait_until(self, t: float) -> None:
         """Idle until ``clock() >= t``: a simulated clock jumps, a real one sleeps (the online driver uses it)."""
+
+
+class AsyncRunner(Runner, Protocol):
+    """A runner that async scheduling can drive: it starts a step, and hands its tokens over later.
+
+    ``launch`` may return before the model has run (a GPU queues the work). A chunk's input token can be
+    the placeholder PENDING_TOKEN: its value is the sample that ``previous`` (the step launched just
+    before) drew for the same request, and the runner reads it where it lies (on the device).
+    """
+
+    def launch(self, output: SchedulerOutput, allocator: BlockAllocator, previous: Any = None) -> Any:
+        """Start one step; return a handle on its samples for ``collect``."""
+
+    def collect(self, launched: Any) -> list[int]:
+        """Wait for a launched step; return one token per chunk with ``samples=True``, in order."""
 
 
 #: Builds the runner of a model that does not make its own (a transformers model). The top-level ``labkit``
@@ -103,6 +123,12 @@ class Engine:
         self.step_listeners: list[Callable[[StepReport], None]] = []
         self._ids = itertools.count()
         self._aborted: list[Request] = []  # aborted between steps: reported with the next step
+        self._ahead: deque[_LaunchedStep] = deque()  # async scheduling: committed steps whose tokens are not read
+        if config.async_scheduling and not all(hasattr(self.runner, name) for name in ("launch", "collect")):
+            raise ValueError(
+                f"async_scheduling needs a runner that launches a step before reading its tokens;"
+                f" {type(self.runner).__name__} has no launch() and collect()"
+            )
 
     # ------------------------------------------------------------------ state
     @property
@@ -118,7 +144,7 @@ class Engine:
         return self.runner.device_name
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._ahead)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -192,7 +218,13 @@ class Engine:
         back: queues, block tables, free blocks and every request are as they were, the exception
         propagates, and the next ``step()`` does the same work again. Step listeners run after the
         commit: one that raises does not undo the step.
+
+        With async scheduling each call launches the next step first and then finishes the oldest one
+        launched (the first call launches two), so the report that comes back is one step behind the
+        model. A call that raises has launched nothing new, or finished nothing, and the next one goes on.
         """
+        if self.config.async_scheduling:
+            return self._step_ahead()
         scheduler = self.scheduler
         output = None
         try:
@@ -204,12 +236,70 @@ class Engine:
         except BaseException:
             scheduler.rollback(output)
             raise
+        self._note_first_scheduled(output, start)
+        finished[:0] = self._aborted
+        self._aborted = []
+        return self._publish(self._report(output, sampled, finished, start, end))
+
+    def _step_ahead(self) -> StepReport:
+        """Async scheduling: keep two steps launched, then finish the older one."""
+        ahead = self._ahead
+        while len(ahead) < 2 and (not ahead or not ahead[-1].output.is_empty) and self._launch(keep_empty=not ahead):
+            pass
+        return self._finish_oldest()
+
+    def _launch(self, *, keep_empty: bool) -> bool:
+        """Plan the next step as if every launched one had gone on, launch it, commit it with placeholder tokens.
+
+        Returns False, having changed nothing, when there is nothing to run and ``keep_empty`` is false.
+        """
+        scheduler, runner = self.scheduler, cast(AsyncRunner, self.runner)
+        output = None
+        try:
+            output = scheduler.schedule()
+            if output.is_empty and not keep_empty:
+                scheduler.rollback(output)
+                return False
+            start = self.clock()
+            previous = self._ahead[-1].handle if self._ahead else None
+            handle = None if output.is_empty else runner.launch(output, self.allocator, previous)
+            placeholders = [PENDING_TOKEN] * sum(1 for chunk in output.chunks if chunk.samples)
+            finished = scheduler.update(output, placeholders, start)  # the commit, tokens to follow
+        except BaseException:
+            scheduler.rollback(output)
+            raise
+        self._note_first_scheduled(output, start)
+        self._ahead.append(_LaunchedStep(output, handle, finished, start, self._report_state()))
+        return True
+
+    def _finish_oldest(self) -> StepReport:
+        """Read the oldest launched step's tokens, put them in place, report the step."""
+        step = self._ahead[0]
+        sampled = [] if step.handle is None else cast(AsyncRunner, self.runner).collect(step.handle)
+        end = self.clock()
+        kept, stopped = self.scheduler.resolve(step.output, sampled, end)
+        self._ahead.popleft()
+        # What stopped requests gave back goes to the next report: its step had already claimed its own blocks.
+        later = self._ahead[0] if self._ahead else step
+        later.state["block_events"] += self.allocator.drain_events()
+        later.state["num_free_blocks"] = self.allocator.num_free_blocks
+        later.state["num_running"], later.state["num_waiting"] = (
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+        )
+        if stopped and later is not step:  # reported now, not when the next step's commit finished them
+            later.finished[:] = [r for r in later.finished if r not in stopped]
+        finished = self._aborted + step.finished + [r for r in stopped if r not in step.finished]
+        self._aborted = []
+        return self._publish(self._report(step.output, kept, finished, step.start, end, step.state))
+
+    def _note_first_scheduled(self, output: SchedulerOutput, start: float) -> None:
         for request in output.admitted:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = start
-        finished[:0] = self._aborted
-        self._aborted = []
-        report = self._report(output, sampled, finished, start, end)
+
+    def _publish(self, report: StepReport) -> StepReport:
+        """Hand the report to every step listener (after the commit: one that raises does not undo the step)."""
         for listener in self.step_listeners:
             listener(report)
         return report
@@ -258,6 +348,8 @@ class Engine:
                     pending -= done
                     if bar is not None:
                         bar.update(len(done))
+            while self._ahead and not self.scheduler.has_unfinished():  # async: a step launched for stopped requests
+                self.step()
         except BaseException:
             self._forget(ids, report=True)  # the next StepReport shows them aborted, as engine.abort() does
             raise
@@ -310,11 +402,17 @@ class Engine:
     def _report(
         self,
         output: SchedulerOutput,
-        sampled: Sequence[int],
+        sampled: Sequence[int | None],
         finished: list[Request],
         start: float,
         end: float,
+        state: dict[str, Any] | None = None,
     ) -> StepReport:
+        """The step's report; ``state`` is what ``_report_state`` said at its commit (now, if None).
+
+        A sampled token of None (async scheduling: its request had stopped or was aborted) makes its row
+        padding: computed and thrown away.
+        """
         tokens = iter(sampled)
         scheduled = [
             ScheduledWork(
@@ -325,6 +423,10 @@ class Engine:
         padding = [
             ScheduledWork(c.request.request_id, c.start, c.num_tokens, c.is_prefill, None) for c in output.padding
         ]
+        if None in sampled:
+            dropped = [c.samples and w.token is None for c, w in zip(output.chunks, scheduled, strict=True)]
+            padding += [work for work, drop in zip(scheduled, dropped, strict=True) if drop]
+            scheduled = [work for work, drop in zip(scheduled, dropped, strict=True) if not drop]
         return StepReport(
             step=output.step,
             start_time=start,
@@ -334,14 +436,32 @@ class Engine:
             admitted=[r.request_id for r in output.admitted],
             preempted=[r.request_id for r in output.preempted],
             finished={r.request_id: r.finish_reason for r in finished},
-            block_events=self.allocator.drain_events(),
-            prefix_cache=self.allocator.drain_prefix_stats() if self.config.enable_prefix_caching else None,
-            num_free_blocks=self.allocator.num_free_blocks,
-            num_blocks=self.allocator.num_blocks,
-            block_size=self.allocator.block_size,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            **(self._report_state() if state is None else state),
         )
+
+    def _report_state(self) -> dict[str, Any]:
+        """The report's block and queue fields, from the allocator and scheduler as they are now."""
+        allocator = self.allocator
+        return {
+            "block_events": allocator.drain_events(),
+            "prefix_cache": allocator.drain_prefix_stats() if self.config.enable_prefix_caching else None,
+            "num_free_blocks": allocator.num_free_blocks,
+            "num_blocks": allocator.num_blocks,
+            "block_size": allocator.block_size,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+        }
+
+
+@dataclass
+class _LaunchedStep:
+    """Async scheduling: a step launched and committed with placeholder tokens, its samples not yet read."""
+
+    output: SchedulerOutput
+    handle: Any  # the runner's handle on the step's samples (None: the step ran nothing)
+    finished: list[Request]  # what its commit finished (by length); a stop found later reports earlier
+    start: float
+    state: dict[str, Any]  # the report's block and queue fields as its commit left them
 
 
 def _arrival_time(value: object) -> float:

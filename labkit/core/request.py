@@ -13,6 +13,9 @@ from enum import Enum
 from typing import Any
 
 FINISH_REASONS = ("length", "stop", "abort")
+#: A generated token whose value is still on the device: with async scheduling, step N+1 is planned while
+#: step N runs, so N's new tokens stand in the requests' outputs as this placeholder until N's tokens are read.
+PENDING_TOKEN = -1
 
 
 class RequestState(str, Enum):

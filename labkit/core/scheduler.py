@@ -45,7 +45,7 @@ from labkit.core.blocks import BlockAllocator
 from labkit.core.config import EngineConfig
 from labkit.core.prefix_cache import PrefixMatch
 from labkit.core.queues import QUEUES
-from labkit.core.request import Request, RequestState
+from labkit.core.request import PENDING_TOKEN, Request, RequestState
 
 
 class ScheduledChunk(NamedTuple):
@@ -90,6 +90,13 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks and not self.padding
+
+
+class ResolvedStep(NamedTuple):
+    """What ``Scheduler.resolve`` did with a step's sampled tokens (async scheduling)."""
+
+    tokens: list[int | None]  # per sampling chunk: the token kept, or None where it was dropped
+    stopped: list[Request]  # requests that a stop token finished
 
 
 class Scheduler:
@@ -141,12 +148,10 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             raise KeyError(f"no unfinished request with id {request_id!r}")
-        if request.state is RequestState.WAITING:
-            self.waiting.remove(request)
-        elif self.config.policy == "continuous":
-            self.running.remove(request)
-            self.allocator.free(request_id)
-        self._finish(request, "abort", now)
+        while request.output_token_ids and request.output_token_ids[-1] == PENDING_TOKEN:  # async: never read
+            request.output_token_ids.pop()
+            request.metrics.token_times.pop()
+        self._finish_now(request, "abort", now)
         if self.config.policy == "static":
             self._end_static_batch_if_done()
         return request
@@ -190,7 +195,10 @@ class Scheduler:
         finishing = [r for r, why in zip(sampling, reasons, strict=True) if why] if any(reasons) else []
         if self.prefix_caching:  # the step wrote these tokens' keys and values: index the blocks they filled
             for chunk in output.chunks:
-                self.allocator.cache_full_blocks(chunk.request, chunk.start + chunk.num_tokens)
+                end = chunk.start + chunk.num_tokens
+                if chunk.request.token_at(end - 1) == PENDING_TOKEN:  # async: its value is not known yet
+                    end -= 1  # (resolve() indexes its block once it is)
+                self.allocator.cache_full_blocks(chunk.request, end)
         ends_batch = self._free_finished(output, finishing)
         self.allocator.commit()  # the point of no return
 
@@ -231,6 +239,46 @@ class Scheduler:
         elif ends_batch:
             self.running = []
         return finished
+
+    def resolve(self, output: SchedulerOutput, sampled: Sequence[int], now: float) -> ResolvedStep:
+        """Async scheduling: put the tokens step ``output`` sampled in place of its placeholders (PENDING_TOKEN).
+
+        ``update`` committed the step with placeholders, and the next step has already been planned and
+        launched as if every request went on. A request whose token is a stop token finishes here, one step
+        late: what the next step computed for it is dropped, with its blocks. A token whose request was
+        aborted, or stopped, meanwhile is dropped too. Returns the tokens kept (None for a dropped one) and
+        the requests that stopped.
+        """
+        sampling = [chunk for chunk in output.chunks if chunk.samples]
+        if len(sampled) != len(sampling):
+            raise ValueError(f"the step samples {len(sampling)} tokens, but the model returned {len(sampled)}")
+        kept: list[int | None] = []
+        stopped = []
+        caching, finished = self.prefix_caching, RequestState.FINISHED
+        for chunk, token in zip(sampling, sampled, strict=True):
+            request = chunk.request
+            outputs, metrics = request.output_token_ids, request.metrics
+            index = chunk.start + chunk.num_tokens - len(request.prompt_token_ids)  # where the token went
+            if index >= len(outputs) or outputs[index] != PENDING_TOKEN:  # aborted or stopped meanwhile
+                kept.append(None)
+                continue
+            kept.append(token)
+            outputs[index] = token
+            metrics.token_times[index] = now
+            if index == 0:
+                metrics.first_token_time = now
+            if caching and request.state in (RequestState.PREFILLING, RequestState.DECODING):
+                self.allocator.cache_full_blocks(request, request.num_computed_tokens)  # the block it completed
+            if token in request.stop_ids:
+                del outputs[index + 1 :], metrics.token_times[index + 1 :]  # the next step's token, if any
+                if request.state is finished:  # by length, at the commit of this step or the next
+                    request.finish_reason, metrics.finish_time = "stop", now
+                else:
+                    self._finish_now(request, "stop", now)
+                stopped.append(request)
+            elif request.state is finished:  # by length: the commit could tell, but the token arrives now
+                metrics.finish_time = now
+        return ResolvedStep(kept, stopped)
 
     def _free_finished(self, output: SchedulerOutput, finishing: list[Request]) -> bool:
         """Free the blocks this step gives back; return whether it ends the static batch.
@@ -426,6 +474,15 @@ class Scheduler:
             self.running = []
 
     # ------------------------------------------------------------------ shared helpers
+    def _finish_now(self, request: Request, reason: str, now: float) -> None:
+        """Finish an unfinished request between steps: out of its queue, and (continuous) its blocks freed."""
+        if request.state is RequestState.WAITING:
+            self.waiting.remove(request)
+        elif self.config.policy == "continuous":
+            self.running.remove(request)
+            self.allocator.free(request.request_id)
+        self._finish(request, reason, now)
+
     def _finish(self, request: Request, reason: str, now: float) -> None:
         request.state = RequestState.FINISHED
         request.finish_reason = reason

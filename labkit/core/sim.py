@@ -9,6 +9,7 @@ attention that grows with the context. That is why batching pays: the fixed part
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from labkit.core.blocks import BlockAllocator
 from labkit.core.config import EngineConfig
@@ -115,6 +116,13 @@ class SimRunner:
         self.now += self.cost.step_time(output.num_tokens, kv_tokens)
         next_token = self.model.next_token
         return [next_token(chunk.request) for chunk in output.chunks if chunk.samples]
+
+    def launch(self, output: SchedulerOutput, allocator: BlockAllocator, previous: Any = None) -> list[int]:
+        """Async scheduling: a simulated step is done at once (its tokens depend on positions, not values)."""
+        return self.execute(output, allocator)
+
+    def collect(self, launched: list[int]) -> list[int]:
+        return launched
 
 
 def _mix(*values: int) -> int:

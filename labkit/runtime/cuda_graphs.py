@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from labkit.runtime.attention import BlockTableRows, PagedKVCache, Segment, context_length, slot_mapping
+from labkit.runtime.sampling import feed_back_samples
 from labkit.runtime.triton_attention import TritonBatch
 
 Forward = Callable[[torch.Tensor, TritonBatch, int], torch.Tensor]  # (input ids, batch, logits_to_keep) -> logits
@@ -127,10 +128,13 @@ class DecodeGraphs:
             longest = max(longest, segment.start + 1)
         return -(-longest // block_size) <= self.width
 
-    def run(self, token_ids: list[int], segments: Sequence[Segment]) -> torch.Tensor:
+    def run(
+        self, token_ids: list[int], segments: Sequence[Segment], fed_back: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Copy the step into the static buffers, replay its bucket's graph; return (len(segments), vocab) logits.
 
         Two host-to-device copies: the header (4 x max_batch ints) and the used corner of the block tables.
+        ``fed_back`` holds the previous step's samples, which token ids ``-1 - i`` name (async scheduling).
         """
         n = len(segments)
         size = self.buckets[bisect_left(self.buckets, n)]
@@ -156,6 +160,8 @@ class DecodeGraphs:
         self.block_tables[:n, :width].copy_(tables, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
+        if fed_back is not None:
+            feed_back_samples(self.header[:n], fed_back)
         self.num_replays += 1
         if self.captured:
             self.graphs[size].replay()

@@ -19,12 +19,13 @@ import platform
 import time
 import weakref
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from labkit.core.blocks import BlockAllocator
 from labkit.core.config import EngineConfig
+from labkit.core.request import PENDING_TOKEN, Request
 from labkit.core.scheduler import SchedulerOutput
 from labkit.runtime.attention import (
     ATTENTION_NAME,
@@ -38,7 +39,7 @@ from labkit.runtime.attention import (
     use_paged_attention,
 )
 from labkit.runtime.packed import PackedLinears
-from labkit.runtime.sampling import Sampler
+from labkit.runtime.sampling import Sampler, feed_back_samples
 
 # num_blocks=None on CPU: a fixed KV-cache budget, small next to any machine's RAM.
 CPU_CACHE_BYTES = 256 * 2**20
@@ -48,6 +49,15 @@ CUDA_MEMORY_FRACTION = 0.9
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The live runners of each model: a second runner may convert a model only while no other one uses it.
 _RUNNERS: weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet[ModelRunner]] = weakref.WeakKeyDictionary()
+
+
+class LaunchedStep(NamedTuple):
+    """A step the runner has queued on the device: ``collect`` reads its tokens once ``ready`` has fired."""
+
+    samples: torch.Tensor  # one token per sampling chunk, on the device
+    host: torch.Tensor  # the same tokens on the host (page-locked on CUDA), valid once ``ready`` has fired
+    ready: torch.cuda.Event | None  # recorded after the copy to ``host`` (None on a CPU: done already)
+    requests: list[Request]  # whose token each row is
 
 
 class ModelRunner:
@@ -140,18 +150,33 @@ class ModelRunner:
         _RUNNERS.setdefault(self.model, weakref.WeakSet()).add(self)  # from now on it needs the model as it is
         return num_blocks
 
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput, allocator: BlockAllocator) -> list[int]:
         """Run the model once on the step's packed tokens; return one token per sampling chunk, in order."""
+        return self.collect(self.launch(output, allocator))
+
+    @torch.inference_mode()
+    def launch(
+        self, output: SchedulerOutput, allocator: BlockAllocator, previous: LaunchedStep | None = None
+    ) -> LaunchedStep:
+        """Queue the step's forward pass and sampling on the device; ``collect`` reads the tokens.
+
+        An input token PENDING_TOKEN (async scheduling) is the token ``previous`` sampled for the same
+        request: it is taken from ``previous.samples`` on the device (labkit.runtime.sampling.feed_back_samples).
+        """
         if self.cache is None:
             raise RuntimeError("init_cache must be called before execute")
         tables = allocator.block_tables
         token_ids: list[int] = []
         segments = []
         sample_rows, sampling_requests = [], []
+        rows_before = {r.request_id: i for i, r in enumerate(previous.requests)} if previous is not None else None
+        fed_back = None
         for chunk in output.chunks:
             request = chunk.request
             token_ids += request.tokens(chunk.start, chunk.start + chunk.num_tokens)
+            if rows_before is not None and token_ids[-1] == PENDING_TOKEN:
+                token_ids[-1] = -1 - rows_before[request.request_id]
+                fed_back = previous.samples  # type: ignore[union-attr]
             segments.append(Segment(chunk.start, chunk.num_tokens, tables[request.request_id]))
             if chunk.samples:
                 sample_rows.append(len(token_ids) - 1)
@@ -161,9 +186,27 @@ class ModelRunner:
             segments.append(Segment(chunk.start, chunk.num_tokens, tables[chunk.request.request_id], False))
 
         with self._on_device():
-            logits = self._logits(self.cache, token_ids, segments, sample_rows)
+            logits = self._logits(self.cache, token_ids, segments, sample_rows, fed_back)
             params = [r.params for r in sampling_requests]
-            return self.sampler(logits, params, [len(r.output_token_ids) for r in sampling_requests])
+            indices = [len(r.output_token_ids) for r in sampling_requests]
+            if isinstance(self.sampler, Sampler):
+                samples = self.sampler.sample(logits, params, indices)
+            else:  # a plugged-in sampler hands back a list
+                samples = long_tensor(self.sampler(logits, params, indices), self.device)
+            if self.device.type != "cuda":
+                return LaunchedStep(samples, samples, None, sampling_requests)
+            # Copied out now, queued before the next step, so that reading them does not wait for that step too.
+            host = torch.empty(samples.shape, dtype=samples.dtype, pin_memory=True)
+            host.copy_(samples, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            return LaunchedStep(samples, host, ready, sampling_requests)
+
+    def collect(self, launched: LaunchedStep) -> list[int]:
+        """Wait for a launched step's tokens to reach the host; return them, one per sampling chunk."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        return launched.host.tolist()
 
     def _on_device(self) -> Any:
         """Make this runner's GPU the current one: Triton kernels and CUDA graphs run on the current device,
@@ -172,23 +215,35 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ helpers
     def _logits(
-        self, cache: PagedKVCache, token_ids: list[int], segments: list[Segment], sample_rows: list[int]
+        self,
+        cache: PagedKVCache,
+        token_ids: list[int],
+        segments: list[Segment],
+        sample_rows: list[int],
+        fed_back: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits (len(sample_rows), vocab) for the packed tokens' rows ``sample_rows``."""
+        """Logits (len(sample_rows), vocab) for the packed tokens' rows ``sample_rows``.
+
+        ``fed_back``: the previous step's samples, which token ids ``-1 - i`` stand for (async scheduling).
+        """
         if self.attention_backend == "torch":
             batch: Any = build_paged_batch(
                 cache, segments, self.device, attention_fn=self.attention_fn, slot_mapping_fn=self.slot_mapping_fn
             )
             input_ids = long_tensor(token_ids, self.device)[None]
+            if fed_back is not None:
+                feed_back_samples(input_ids, fed_back)
             # 0 keeps every row: a pure decode step samples from all of them, and then needs no index.
             keep: Any = 0 if len(sample_rows) == len(token_ids) else long_tensor(sample_rows, self.device)
             return self._forward(input_ids, batch, keep)
         if self.graphs is not None and cache is self.cache and self.graphs.can_run(segments, cache.block_size):
-            logits = self.graphs.run(token_ids, segments)
+            logits = self.graphs.run(token_ids, segments, fed_back)
             return logits if len(sample_rows) == len(segments) else logits[long_tensor(sample_rows, self.device)]
         from labkit.runtime.triton_attention import build_triton_batch
 
         input_ids, batch, keep = build_triton_batch(cache, segments, token_ids, sample_rows, self.uploader)
+        if fed_back is not None:
+            feed_back_samples(input_ids, fed_back)
         return self._forward(input_ids, batch, keep)
 
     def _forward(self, input_ids: torch.Tensor, batch: Any, keep: torch.Tensor | int) -> torch.Tensor:

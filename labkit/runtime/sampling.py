@@ -38,12 +38,16 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams], indices: Sequence[int]) -> list[int]:
         """``logits`` is (rows, vocab); ``indices[i]`` is the output index of the token row ``i`` produces."""
+        return self.sample(logits, params, indices).tolist()
+
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], indices: Sequence[int]) -> torch.Tensor:
+        """As calling the sampler, but the tokens stay where the logits are: no wait for the device."""
         if len(params) != logits.shape[0] or len(indices) != logits.shape[0]:
             raise ValueError(f"got {logits.shape[0]} logits rows, {len(params)} params and {len(indices)} indices")
         greedy = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled_rows:
-            return greedy.tolist()
+            return greedy
         chosen = [params[i] for i in sampled_rows]
         uniforms = [
             seeded_uniform(p.seed, indices[i]) if p.seed is not None else self.rng.random()
@@ -52,7 +56,9 @@ class Sampler:
         # One host-to-device copy for every per-row value (float64 holds each of them exactly); on a GPU each
         # copy from Python lists waits for the forward pass, so five separate ones would wait five times.
         columns = [sampled_rows, [p.temperature for p in chosen], [p.top_k for p in chosen], [p.top_p for p in chosen]]
-        values = torch.tensor([*columns, uniforms], dtype=torch.float64).to(logits.device)
+        # Pinned, the copy queues behind the forward pass instead of waiting for it (async scheduling).
+        values = torch.tensor([*columns, uniforms], dtype=torch.float64, pin_memory=logits.is_cuda)
+        values = values.to(logits.device, non_blocking=True)
         rows = values[0].long()
         tokens = self.sample_rows(
             logits[rows].float(),
@@ -62,7 +68,7 @@ class Sampler:
             uniform=values[4],
         )
         greedy[rows] = tokens
-        return greedy.tolist()
+        return greedy
 
     def sample_rows(
         self,
@@ -98,3 +104,14 @@ class Sampler:
         target = (uniform * cdf[:, -1])[:, None]
         index = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)
         return sorted_ids.gather(1, index).squeeze(1)
+
+
+def feed_back_samples(input_ids: torch.Tensor, samples: torch.Tensor) -> None:
+    """Async scheduling: an input id ``-1 - i`` becomes ``samples[i]``, a token the previous step drew, in place.
+
+    The previous step's tokens are still on the device when the next step is launched, so its inputs
+    name them by their row; this gathers them there, with no wait for the host to read them.
+    """
+    rows = torch.bitwise_not(input_ids.view(-1)).clamp_(min=0)  # ~x == -1 - x; a known token's row 0 goes unused
+    fed_back = samples.index_select(0, rows).view(input_ids.shape)
+    input_ids.copy_(torch.where(input_ids < 0, fed_back, input_ids))

@@ -152,6 +152,42 @@ def test_abort_between_steps_leaves_no_placeholder() -> None:
     assert victim.output_token_ids == expected[1].output_token_ids[: len(victim.output_token_ids)]
 
 
+def test_an_interrupted_token_read_is_read_again() -> None:
+    """A KeyboardInterrupt while waiting for a step's tokens: that step() raises, the next one finishes the step."""
+    from labkit.core.sim import SimRunner
+
+    class Interrupted(SimRunner):
+        reads = 0
+
+        def collect(self, launched: list[int]) -> list[int]:
+            Interrupted.reads += 1
+            if Interrupted.reads in (3, 4, 9):
+                raise KeyboardInterrupt
+            return super().collect(launched)
+
+    class Model(SimulatedModel):
+        def make_runner(self, config: EngineConfig) -> SimRunner:
+            return Interrupted(self)
+
+    prompts = [[5, 6, i] for i in range(2, 9)]
+    params = SamplingParams(max_new_tokens=12)
+    engine = Engine(Model(mean_output_len=6.0), EngineConfig(async_scheduling=True, max_num_seqs=4))
+    reports: list = []
+    engine.step_listeners.append(reports.append)
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    interrupts = 0
+    while engine.has_unfinished():
+        try:
+            engine.step()
+        except KeyboardInterrupt:
+            interrupts += 1
+    assert interrupts == 3
+    outputs = [(engine.requests[i].output_token_ids, engine.requests[i].finish_reason) for i in ids]
+    expected, _, _ = serve(SimulatedModel(mean_output_len=6.0), prompts, params, max_num_seqs=4)
+    assert outputs == expected
+    check_reports(reports, outputs, engine)
+
+
 def test_refused_configurations() -> None:
     with pytest.raises(ValueError, match="policy='continuous'"):
         EngineConfig(async_scheduling=True, policy="static")

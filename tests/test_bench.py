@@ -29,6 +29,7 @@ from labkit.serving.bench import (
 )
 from labkit.serving.bench.checks import check_targets
 from labkit.serving.bench.html import load_and_write, report_html
+from labkit.serving.bench.modes import labkit_config
 from labkit.serving.metrics import Run, run_metrics
 from labkit.serving.online import run_workload
 from labkit.serving.workloads import WorkloadRequest, make_workload
@@ -428,3 +429,20 @@ def test_sweep_table_shows_a_failed_mode():
     rows = {line.split("│")[2].strip(): line for line in console.export_text().splitlines() if "│" in line}
     assert "failed: RuntimeError: no" in rows["broken"] and "ok" in rows["labkit-static"]
     assert "1.00x" in rows["labkit-static"]
+
+
+def test_async_scheduling_serves_the_same_outputs(tmp_path):
+    """--async-scheduling reaches labkit-continuous (not the static baseline), and every request ends alike."""
+    argv = ["--num-requests", "12", "--modes", "labkit-continuous,labkit-static", "--no-progress"]
+    runs = {}
+    for flag in ([], ["--async-scheduling"]):
+        path = tmp_path / f"bench{len(flag)}.json"
+        assert main([*argv, *flag, "--json", str(path)]) == 0
+        data = json.loads(path.read_text())
+        assert data["meta"]["config"]["async_scheduling"] is bool(flag)
+        runs[bool(flag)] = {
+            run["mode"]: [(r["num_output_tokens"], r["finish_reason"]) for r in run["requests"]] for run in data["runs"]
+        }
+    assert runs[True] == runs[False]
+    setup = BenchSetup(MODEL, None, EngineConfig(async_scheduling=True))
+    assert labkit_config(setup, "continuous").async_scheduling and not labkit_config(setup, "static").async_scheduling

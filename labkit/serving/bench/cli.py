@@ -143,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--scheduling", default=defaults.scheduling, choices=SCHEDULING, help="waiting-queue order (labkit modes)"
     )
     parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="labkit-continuous: plan and launch each step while the GPU still runs the one before",
+    )
+    parser.add_argument(
         "--no-pack-weights",
         action="store_true",
         help="labkit modes on a CPU: multiply by the model's own weights, not oneDNN-packed copies (runtime.packed)",
@@ -226,6 +231,7 @@ def prepare(
         pack_weights=not args.no_pack_weights,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling=args.scheduling,
+        async_scheduling=args.async_scheduling,
         device=args.device,
         dtype=args.dtype,
     )

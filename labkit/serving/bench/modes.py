@@ -64,9 +64,11 @@ ModeFn = Callable[[Sequence[WorkloadRequest], BenchSetup], Run]
 def labkit_config(setup: BenchSetup, policy: str) -> EngineConfig:
     """The engine configuration of a labkit mode: the static policy batches ``setup.batch_size`` requests.
 
-    Prefix caching is a continuous-batching feature: the static baseline always runs without it.
+    Prefix caching and async scheduling are continuous-batching features: the static baseline runs without them.
     """
-    batch = {"max_num_seqs": setup.batch_size, "enable_prefix_caching": False} if policy == "static" else {}
+    batch: dict[str, Any] = {}
+    if policy == "static":
+        batch = {"max_num_seqs": setup.batch_size, "enable_prefix_caching": False, "async_scheduling": False}
     return replace(setup.config, policy=policy, **batch)
 
 

@@ -136,6 +136,7 @@ def test_abort_between_steps_leaves_no_placeholder() -> None:
         engine.step()
     victim = engine.requests[ids[1]]
     assert victim.output_token_ids[-1] == PENDING_TOKEN, "a launched step's token is not read yet"
+    assert engine.output(ids[1]).output_token_ids == victim.output_token_ids[:-1], "output() shows the tokens read"
     engine.abort(ids[1])
     assert PENDING_TOKEN not in victim.output_token_ids
     assert victim.finish_reason == "abort"

@@ -195,14 +195,16 @@ class Engine:
         self._aborted.append(self.scheduler.abort(request_id, self.clock()))
 
     def output(self, request_id: int) -> RequestOutput:
+        """What ``request_id`` has generated so far (async scheduling: the tokens read so far)."""
         request = self.requests[request_id]
+        tokens = [t for t in request.output_token_ids if t != PENDING_TOKEN]
         text = None
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         return RequestOutput(
             request_id=request_id,
             prompt_token_ids=list(request.prompt_token_ids),
-            output_token_ids=list(request.output_token_ids),
+            output_token_ids=tokens,
             text=text,
             finish_reason=request.finish_reason,
             metrics=request.metrics,

@@ -33,6 +33,10 @@ once the model has run: it moves admitted and preempted requests between the que
 chunk's ``num_computed_tokens``, records the sampled tokens. If anything fails in between,
 ``rollback()`` undoes the allocator and the scheduler is exactly as before ``schedule()``: nothing
 else was touched. A subclass keeps that contract by changing requests and queues only in ``update``.
+
+With async scheduling (``EngineConfig.async_scheduling``) a step is committed before its tokens are known:
+``update()`` records placeholders (PENDING_TOKEN), the next step is planned from there, and ``resolve()`` puts
+the tokens in place once they are read, finishing then a request that a stop token ended.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The simulated model: deterministic tokens, a modelled clock, and an engine core that never imports torch."""
 
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from labkit import CostModel, Engine, EngineConfig, SamplingParams, SimulatedModel
+from labkit.core.sim import COST_PRESETS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EOS = SimulatedModel.eos_token_id
@@ -165,3 +167,26 @@ def test_continuous_batching_beats_static_on_long_tailed_outputs():
 def test_bad_simulated_model_settings_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SimulatedModel(**kwargs)
+
+
+def test_host_time_adds_to_a_step_and_overlaps_it_with_async_scheduling():
+    """Host and device one after the other: a step takes their sum; planned ahead, the longer of the two."""
+    cost = CostModel("toy", base=1.0, per_token=0.1, per_kv_token=0.0, host_base=0.5, host_per_request=0.25)
+    times = {}
+    for ahead in (False, True):
+        config = EngineConfig(block_size=4, num_blocks=64, max_batch_tokens=16, max_num_seqs=4, async_scheduling=ahead)
+        engine = Engine(SimulatedModel(cost=cost), config)
+        for i in range(4):
+            engine.add_request([5, 6, i + 7], SamplingParams(max_new_tokens=6, ignore_eos=True))
+        reports = []
+        while engine.has_unfinished():
+            reports.append(engine.step())
+        decode_ends = [r.end_time for r in reports if r.num_prefill_tokens == 0]
+        times[ahead] = [b - a for a, b in itertools.pairwise(decode_ends)]
+    # A decode step of 4 requests: device 1 + 0.1 * 4 = 1.4 s, host 0.5 + 0.25 * 4 = 1.5 s.
+    assert times[False] == pytest.approx([2.9] * len(times[False]))
+    # Planned ahead, each step's time is counted at its launch: the last one, read right after the one
+    # before it, adds nothing more.
+    assert times[True] == pytest.approx([1.5] * (len(times[True]) - 1) + [0.0])
+    assert len(times[True]) == len(times[False]) > 2
+    assert COST_PRESETS["h200"].host_time(256) == 0.0  # the presets from before charge no host time

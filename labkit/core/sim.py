@@ -4,6 +4,10 @@ The simulated model produces deterministic tokens and charges each step a modell
 ``base + per_token * tokens computed + per_kv_token * KV tokens read``. A step costs a fixed
 overhead (reading all weights once, launching kernels), then work that grows with the batch, then
 attention that grows with the context. That is why batching pays: the fixed part is shared.
+
+A cost model may also charge the host's Python per step (``host_base + host_per_request * requests``:
+plan the step, build its inputs, commit it). Without async scheduling it adds to the device's time; with
+it (``EngineConfig(async_scheduling=True)``) host and device overlap, and a step takes the longer of the two.
 """
 
 from __future__ import annotations
@@ -19,23 +23,37 @@ from labkit.core.scheduler import SchedulerOutput
 
 @dataclass(frozen=True)
 class CostModel:
-    """Modelled seconds for one step: ``base + per_token * tokens + per_kv_token * kv_tokens``."""
+    """Modelled seconds for one step: ``base + per_token * tokens + per_kv_token * kv_tokens`` on the device,
+    and ``host_base + host_per_request * requests`` of the engine's Python on the host (0 unless set)."""
 
     name: str
     base: float
     per_token: float
     per_kv_token: float
+    host_base: float = 0.0
+    host_per_request: float = 0.0
 
     def step_time(self, num_tokens: int, num_kv_tokens: int) -> float:
+        """The device's time for a step that computes ``num_tokens`` rows over ``num_kv_tokens`` keys."""
         return self.base + self.per_token * num_tokens + self.per_kv_token * num_kv_tokens
+
+    def host_time(self, num_requests: int) -> float:
+        """The host's time for a step of ``num_requests`` requests."""
+        return self.host_base + self.host_per_request * num_requests
 
 
 # Rough figures for a ~0.5B-parameter model. CPU: reading ~2 GB of float32 weights per step at ~20 GB/s,
 # ~1 GFLOP per token at ~100 GFLOP/s. H200-class GPU in bfloat16: launch overhead dominates the base,
 # ~1 GFLOP per token at a few hundred TFLOP/s, ~12 KB of KV per token read at ~4.8 TB/s.
+# "h200-graphs": the same GPU with decode steps replayed as CUDA graphs, so the launch overhead is gone and the
+# base is the weights' read (~1 GB at ~4.8 TB/s, with the kernels' tails); left is the engine's Python, as
+# benchmarks/host_bench.py measures it on a 2-core server CPU (65 us a step and 5.6 us a request, graphs on).
 COST_PRESETS: dict[str, CostModel] = {
     "cpu": CostModel("cpu", base=0.1, per_token=0.01, per_kv_token=1.2e-6),
     "h200": CostModel("h200", base=0.004, per_token=2.5e-6, per_kv_token=2.5e-9),
+    "h200-graphs": CostModel(
+        "h200-graphs", base=3e-4, per_token=2.5e-6, per_kv_token=2.5e-9, host_base=6.5e-5, host_per_request=5.6e-6
+    ),
 }
 
 
@@ -108,21 +126,35 @@ class SimRunner:
         return num_blocks or self.model.default_num_blocks
 
     def execute(self, output: SchedulerOutput, allocator: BlockAllocator) -> list[int]:
+        """One step: the host plans and commits it, the device computes it, one after the other."""
+        host, device = self._times(output)
+        self.now += host + device
+        return self._tokens(output)
+
+    def launch(self, output: SchedulerOutput, allocator: BlockAllocator, previous: Any = None) -> list[int]:
+        """Async scheduling: the host works on the next step while the device runs this one, so a step takes
+        the longer of the two. Its tokens are known at once (they depend on positions, not on values)."""
+        self.now += max(self._times(output))
+        return self._tokens(output)
+
+    def collect(self, launched: list[int]) -> list[int]:
+        return launched
+
+    def _times(self, output: SchedulerOutput) -> tuple[float, float]:
+        """(host, device) seconds of a step."""
         kv_tokens = 0
         for chunk in output.chunks:
             kv_tokens += chunk.start + chunk.num_tokens
         for chunk in output.padding:
             kv_tokens += chunk.start + chunk.num_tokens
-        self.now += self.cost.step_time(output.num_tokens, kv_tokens)
+        host = 0.0
+        if self.cost.host_base or self.cost.host_per_request:
+            host = self.cost.host_time(len({c.request.request_id for c in (*output.chunks, *output.padding)}))
+        return host, self.cost.step_time(output.num_tokens, kv_tokens)
+
+    def _tokens(self, output: SchedulerOutput) -> list[int]:
         next_token = self.model.next_token
         return [next_token(chunk.request) for chunk in output.chunks if chunk.samples]
-
-    def launch(self, output: SchedulerOutput, allocator: BlockAllocator, previous: Any = None) -> list[int]:
-        """Async scheduling: a simulated step is done at once (its tokens depend on positions, not values)."""
-        return self.execute(output, allocator)
-
-    def collect(self, launched: list[int]) -> list[int]:
-        return launched
 
 
 def _mix(*values: int) -> int:

@@ -69,6 +69,17 @@ def check_reports(reports: list, outputs: list, engine: Engine) -> None:
     assert engine.num_free_blocks == engine.num_blocks and not engine.has_unfinished()
 
 
+def step_to_the_end(engine: Engine, failure: type[BaseException]) -> int:
+    """Step until nothing is left, going on after each ``failure`` a step raises; return how many were raised."""
+    raised = 0
+    while engine.has_unfinished():
+        try:
+            engine.step()
+        except failure:
+            raised += 1
+    return raised
+
+
 # ---------------------------------------------------------------------------------------------- simulated model
 @st.composite
 def workloads(draw: st.DrawFn) -> dict[str, Any]:
@@ -176,13 +187,7 @@ def test_an_interrupted_token_read_is_read_again() -> None:
     reports: list = []
     engine.step_listeners.append(reports.append)
     ids = [engine.add_request(prompt, params) for prompt in prompts]
-    interrupts = 0
-    while engine.has_unfinished():
-        try:
-            engine.step()
-        except KeyboardInterrupt:
-            interrupts += 1
-    assert interrupts == 3
+    assert step_to_the_end(engine, KeyboardInterrupt) == 3
     outputs = [(engine.requests[i].output_token_ids, engine.requests[i].finish_reason) for i in ids]
     expected, _, _ = serve(SimulatedModel(mean_output_len=6.0), prompts, params, max_num_seqs=4)
     assert outputs == expected
@@ -291,13 +296,7 @@ def test_a_failed_launch_is_launched_again(model: Any, prompts: list, references
     config = EngineConfig(device="cpu", max_num_seqs=6, max_batch_tokens=32, async_scheduling=True)
     engine = Engine(model, config, sampler=flaky)
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)) for p in prompts]
-    raised = 0
-    while engine.has_unfinished():
-        try:
-            engine.step()
-        except Boom:
-            raised += 1
-    assert raised == 1
+    assert step_to_the_end(engine, Boom) == 1
     assert [engine.requests[i].output_token_ids for i in ids] == references
     assert engine.num_free_blocks == engine.num_blocks
 

@@ -152,31 +152,60 @@ class ModelRunner:
 
     def execute(self, output: SchedulerOutput, allocator: BlockAllocator) -> list[int]:
         """Run the model once on the step's packed tokens; return one token per sampling chunk, in order."""
-        return self.collect(self.launch(output, allocator))
+        samples, _ = self._run(output, allocator, None)
+        return samples if isinstance(samples, list) else samples.tolist()
 
     @torch.inference_mode()
     def launch(
         self, output: SchedulerOutput, allocator: BlockAllocator, previous: LaunchedStep | None = None
     ) -> LaunchedStep:
-        """Queue the step's forward pass and sampling on the device; ``collect`` reads the tokens.
+        """Queue the step's forward pass and sampling on the device (async scheduling); ``collect`` reads the tokens.
 
-        An input token PENDING_TOKEN (async scheduling) is the token ``previous`` sampled for the same
-        request: it is taken from ``previous.samples`` on the device (labkit.runtime.sampling.feed_back_samples).
+        An input token PENDING_TOKEN is the token ``previous`` sampled for the same request: it is taken from
+        ``previous.samples`` on the device (labkit.runtime.sampling.feed_back_samples).
         """
+        samples, requests = self._run(output, allocator, previous)
+        if isinstance(samples, list):  # from a plugged-in sampler: back to the device, for the next step's inputs
+            samples = long_tensor(samples, self.device)
+        if self.device.type != "cuda":
+            return LaunchedStep(samples, samples, None, requests)
+        with self._on_device():
+            # Copied out now, queued before the next step, so that reading them does not wait for that step too.
+            host = torch.empty(samples.shape, dtype=samples.dtype, pin_memory=True)
+            host.copy_(samples, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return LaunchedStep(samples, host, ready, requests)
+
+    def collect(self, launched: LaunchedStep) -> list[int]:
+        """Wait for a launched step's tokens to reach the host; return them, one per sampling chunk."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        return launched.host.tolist()
+
+    @torch.inference_mode()
+    def _run(
+        self, output: SchedulerOutput, allocator: BlockAllocator, previous: LaunchedStep | None
+    ) -> tuple[torch.Tensor | list[int], list[Request]]:
+        """Queue one step on the device; return its samples (on the device, or the list a plugged-in sampler
+        returned) and whose token each one is."""
         if self.cache is None:
-            raise RuntimeError("init_cache must be called before execute")
+            raise RuntimeError("init_cache must be called before a step runs")
         tables = allocator.block_tables
         token_ids: list[int] = []
         segments = []
         sample_rows, sampling_requests = [], []
-        rows_before = {r.request_id: i for i, r in enumerate(previous.requests)} if previous is not None else None
-        fed_back = None
+        rows_before, samples_before = None, None
+        if previous is not None:
+            rows_before = {r.request_id: i for i, r in enumerate(previous.requests)}
+            samples_before = previous.samples
+        fed_back = None  # the previous step's samples, once an input token stands for one of them
         for chunk in output.chunks:
             request = chunk.request
             token_ids += request.tokens(chunk.start, chunk.start + chunk.num_tokens)
             if rows_before is not None and token_ids[-1] == PENDING_TOKEN:
                 token_ids[-1] = -1 - rows_before[request.request_id]
-                fed_back = previous.samples  # type: ignore[union-attr]
+                fed_back = samples_before
             segments.append(Segment(chunk.start, chunk.num_tokens, tables[request.request_id]))
             if chunk.samples:
                 sample_rows.append(len(token_ids) - 1)
@@ -190,23 +219,8 @@ class ModelRunner:
             params = [r.params for r in sampling_requests]
             indices = [len(r.output_token_ids) for r in sampling_requests]
             if isinstance(self.sampler, Sampler):
-                samples = self.sampler.sample(logits, params, indices)
-            else:  # a plugged-in sampler hands back a list
-                samples = long_tensor(self.sampler(logits, params, indices), self.device)
-            if self.device.type != "cuda":
-                return LaunchedStep(samples, samples, None, sampling_requests)
-            # Copied out now, queued before the next step, so that reading them does not wait for that step too.
-            host = torch.empty(samples.shape, dtype=samples.dtype, pin_memory=True)
-            host.copy_(samples, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-            return LaunchedStep(samples, host, ready, sampling_requests)
-
-    def collect(self, launched: LaunchedStep) -> list[int]:
-        """Wait for a launched step's tokens to reach the host; return them, one per sampling chunk."""
-        if launched.ready is not None:
-            launched.ready.synchronize()
-        return launched.host.tolist()
+                return self.sampler.sample(logits, params, indices), sampling_requests
+            return self.sampler(logits, params, indices), sampling_requests
 
     def _on_device(self) -> Any:
         """Make this runner's GPU the current one: Triton kernels and CUDA graphs run on the current device,

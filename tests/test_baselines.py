@@ -6,12 +6,14 @@ that timestamps its tokens is tested without installing it.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import types
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 import labkit.serving.bench.cli
 import labkit.serving.bench.modes
@@ -160,6 +162,25 @@ def test_bad_baseline_inputs(model):
         timed_padded_generate(model, PROMPTS, WANTED, batch_size=0)
     with pytest.raises(RuntimeError, match="context manager"):
         TransformersContinuous(model).serve(PROMPTS, WANTED)
+
+
+@pytest.mark.parametrize(
+    ("version", "has_psutil", "refused"), [("5.17.0", False, True), ("5.17.0", True, False), ("5.21.0", False, False)]
+)
+def test_an_older_transformers_on_a_cpu_needs_psutil_to_size_its_cache(
+    model, monkeypatch, version, has_psutil, refused
+):
+    """transformers 5.15-5.20 would otherwise read 0 bytes free and refuse every cache with a MemoryError."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(transformers, "__version__", version)
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: find_spec(name) if name != "psutil" or has_psutil else None
+    )
+    if refused:
+        with pytest.raises(RuntimeError, match=r"transformers 5\.17\.0 .* pip install psutil"):
+            TransformersContinuous(model)
+    else:
+        TransformersContinuous(model)
 
 
 def test_every_mode_serves_the_same_tokens_and_is_measured_alike(model):

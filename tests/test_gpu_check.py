@@ -19,6 +19,7 @@ import torch
 from rich.console import Console
 
 from labkit import load_trace
+from labkit.runtime.runner import interpreter_runs_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
@@ -59,8 +60,11 @@ def test_quick_cpu_run(tmp_path: Path) -> None:
     assert "batch 4, graphs off, async scheduling" in floor
     kernels = results["profile"]["kernels"]
     assert kernels["ms_per_step"] > 0 and kernels["top"] and sum(kernels["by_kind_ms"].values()) > 0
-    shapes = [entry for entry in results["kernel shapes"].values() if isinstance(entry, dict) and "us" in entry]
-    assert any(entry["default"] for entry in shapes) and all(entry["us"] > 0 for entry in shapes)
+    if interpreter_runs_kernels():
+        shapes = [entry for entry in results["kernel shapes"].values() if isinstance(entry, dict) and "us" in entry]
+        assert any(entry["default"] for entry in shapes) and all(entry["us"] > 0 for entry in shapes)
+    else:  # an older triton (as on some GPU images): the script says why it timed no kernel shape
+        assert "interpreter" in results["kernel shapes"]["skipped"]
     for policy in ("continuous", "static"):
         reports, meta = load_trace(tmp_path / f"gpu_{policy}.json")
         assert reports and meta["policy"] == policy

@@ -19,6 +19,7 @@ each one's ``arrival_time`` is when it was due, as in labkit's online driver.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import inspect
 import itertools
 import time
@@ -172,7 +173,8 @@ def _eos_off(model: Any, off: bool = True) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------- continuous batching
 # ContinuousBatchingConfig's block size is page_size in recent transformers, block_size in 5.17 and older.
 PAGE_SIZE = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
-CPU_MIN_TRANSFORMERS = Version("5.21")
+# Before 5.21, transformers sizes the cache on a CPU from this process's memory as psutil reads it (none without).
+PSUTIL_FREE_TRANSFORMERS = Version("5.21")
 
 
 class TransformersContinuous:
@@ -191,12 +193,8 @@ class TransformersContinuous:
         max_batch_tokens: int = 512,
         max_num_seqs: int = 64,
     ) -> None:
-        if next(model.parameters()).device.type == "cpu" and Version(transformers.__version__) < CPU_MIN_TRANSFORMERS:
-            raise RuntimeError(
-                f"transformers' continuous batching runs on a CPU from transformers {CPU_MIN_TRANSFORMERS} on"
-                f" (installed: {transformers.__version__}; older releases size its cache from GPU memory alone):"
-                " pip install -U transformers, or run this baseline on a GPU"
-            )
+        if next(model.parameters()).device.type == "cpu":
+            _check_cpu_memory_reading()
         self.model = model
         self.generation = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
         self.batching = ContinuousBatchingConfig(
@@ -302,6 +300,16 @@ class TransformersContinuous:
                 raise RuntimeError("transformers' continuous batching stopped before finishing all requests")
             take(result)
         return [outputs[i] for i in range(len(prompts))]
+
+
+def _check_cpu_memory_reading() -> None:
+    """On a CPU, transformers before 5.21 reads the memory its cache may take through psutil; without it, 0 bytes."""
+    if Version(transformers.__version__) < PSUTIL_FREE_TRANSFORMERS and importlib.util.find_spec("psutil") is None:
+        raise RuntimeError(
+            f"transformers {transformers.__version__} sizes its continuous-batching cache on a CPU from the memory"
+            " that psutil reports, and psutil is not installed: pip install psutil (or transformers>="
+            f"{PSUTIL_FREE_TRANSFORMERS}), or run this baseline on a GPU"
+        )
 
 
 def _stamp_new_tokens(times: list[float], result: Any, now: float) -> None:

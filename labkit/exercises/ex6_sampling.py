@@ -65,19 +65,25 @@ def _batch_invariance(cls: Any) -> None:
         ([3.0, 0.0, 0.0, 2.9, 1.0], (1.0, 2, 1.0), 0.9),
         ([1.0, 1.0, 1.0, 1.0, 1.0], (1.5, 0, 0.5), 0.55),
         ([-2.0, 4.0, 0.1, 0.2, 3.5], (0.5, 3, 0.8), 0.2),
+        ([0.0] * 5, (1.0, 0, 1.0), 0.5),  # five equal tokens: a shared generator repeats this row's 1 time in 5
     ]
-    text = "four rows with different logits, (temperature, top_k, top_p) and uniforms, drawn together and one by one"
+    calls = 10  # so a sampler on a shared generator draws the same tokens on every call less than once in 5**9
+    text = (
+        f"{len(rows)} rows with different logits, (temperature, top_k, top_p) and uniforms, drawn together"
+        f" {calls} times and one by one"
+    )
     showing(text)
     sampler = cls()
-    together = _draw(sampler, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
-    alone = [_draw(sampler, [r[0]], [r[1]], [r[2]])[0] for r in rows]
-    again = _draw(sampler, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+    batch = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+    together = _draw(sampler, *batch)
     hint = (
         "use only the uniform you are given, one per row: no torch.multinomial or torch.rand (a shared random"
         " generator makes a row's token depend on the other rows and on earlier calls)"
     )
-    if together != again:
-        raise Mismatch(text, f"the same tokens on every call: {together}", f"{together} then {again}", hint)
+    for _ in range(calls - 1):
+        if (again := _draw(sampler, *batch)) != together:
+            raise Mismatch(text, f"the same tokens on every call: {together}", f"{together} then {again}", hint)
+    alone = [_draw(sampler, [r[0]], [r[1]], [r[2]])[0] for r in rows]
     if together != alone:
         raise Mismatch(text, f"the same tokens in a batch as alone: {alone}", f"{together} in the batch", hint)
 

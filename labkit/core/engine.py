@@ -410,7 +410,7 @@ class Engine:
         end: float,
         state: dict[str, Any] | None = None,
     ) -> StepReport:
-        """The step's report; ``state`` is what ``_report_state`` said at its commit (now, if None).
+        """The step's report; ``state`` is what ``_report_state`` said at its commit (async scheduling; None: now).
 
         A sampled token of None (async scheduling: its request had stopped or was aborted) makes its row
         padding: computed and thrown away.
@@ -425,7 +425,7 @@ class Engine:
         padding = [
             ScheduledWork(c.request.request_id, c.start, c.num_tokens, c.is_prefill, None) for c in output.padding
         ]
-        if None in sampled:
+        if state is not None and None in sampled:  # only async scheduling drops tokens (Scheduler.resolve)
             dropped = [c.samples and w.token is None for c, w in zip(output.chunks, scheduled, strict=True)]
             padding += [work for work, drop in zip(scheduled, dropped, strict=True) if drop]
             scheduled = [work for work, drop in zip(scheduled, dropped, strict=True) if not drop]

@@ -198,10 +198,11 @@ class Scheduler:
         reasons = list(map(Request.finish_reason_for, sampling, sampled))
         finishing = [r for r, why in zip(sampling, reasons, strict=True) if why] if any(reasons) else []
         if self.prefix_caching:  # the step wrote these tokens' keys and values: index the blocks they filled
+            placeholders = self.config.async_scheduling  # a chunk may end on a token whose value is not known yet
             for chunk in output.chunks:
                 end = chunk.start + chunk.num_tokens
-                if chunk.request.token_at(end - 1) == PENDING_TOKEN:  # async: its value is not known yet
-                    end -= 1  # (resolve() indexes its block once it is)
+                if placeholders and chunk.request.token_at(end - 1) == PENDING_TOKEN:
+                    end -= 1  # its block is indexed by resolve(), once the token is known
                 self.allocator.cache_full_blocks(chunk.request, end)
         ends_batch = self._free_finished(output, finishing)
         self.allocator.commit()  # the point of no return

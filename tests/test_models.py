@@ -275,3 +275,15 @@ def test_course_model_falls_back_to_the_bundled_model_and_says_why(monkeypatch):
     assert fallback.name == "tiny-shakespeare"
     assert fallback.note.startswith("no-such-owner/no-such-model could not be loaded (")
     assert fallback.model.config.vocab_size == chosen.model.config.vocab_size
+
+
+def test_course_model_runs_float32_on_a_gpu_unless_asked_otherwise(monkeypatch):
+    """The course compares tokens exactly, which bfloat16 kernels do not keep across batch sizes."""
+    import labkit.models as models
+
+    asked = []
+    monkeypatch.setattr(models, "resolve_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(models, "load", lambda name, device, dtype: asked.append((name, dtype)) or (None, None))
+    models.course_model("auto", device="cuda")
+    models.course_model("tiny-shakespeare", device="cuda", dtype=None)
+    assert asked == [(models.COURSE_GPU_MODEL, "float32"), ("tiny-shakespeare", None)]

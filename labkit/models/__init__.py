@@ -51,12 +51,18 @@ class CourseModel(NamedTuple):
     note: str
 
 
-def course_model(name: str = "auto", device: str | torch.device = "auto", dtype: Any = None) -> CourseModel:
+def course_model(name: str = "auto", device: str | torch.device = "auto", dtype: Any = "float32") -> CourseModel:
     """The model for a course notebook: the one asked for when it loads, else the bundled model, saying why.
 
     ``"auto"`` is a real hub model (``COURSE_GPU_MODEL``) when CUDA is present and the hub or its cache has
     it, else the bundled ``"tiny-shakespeare"``. A model that cannot be loaded (offline, not cached) falls
     back to the bundled one, so a notebook always runs; ``note`` says which model runs and why.
+
+    Float32 on every device by default: the course checks token for token that policies, caches and the
+    learner's code do not change what a request generates. In bfloat16 (8 bits of mantissa) two correct
+    kernels that add in another order, as a GPU's matrix kernels do for another batch size, often round
+    differently, and greedy decoding turns one flipped choice into another text. ``dtype=None`` takes
+    :func:`load`'s choice (bfloat16 or float16 on a GPU) where speed is the point.
     """
     target = resolve_device(device)
     wanted = name

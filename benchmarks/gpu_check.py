@@ -620,7 +620,8 @@ def top_kernels(profiler: Any, device: torch.device, steps: int, top: int = 12) 
 
 
 # ---------------------------------------------------------------------------------------------- 5. traces
-def record_traces(model: torch.nn.Module, settings: Settings, directory: Path, part: dict) -> None:
+def record_traces(model: torch.nn.Module, settings: Settings, directory: Path, bandwidth: float, part: dict) -> None:
+    """A continuous and a static trace of one workload, with NVML samples and what a roofline needs (notebook 08)."""
     from labkit.core.trace import record
 
     workload = make_workload(
@@ -636,6 +637,9 @@ def record_traces(model: torch.nn.Module, settings: Settings, directory: Path, p
         with frozen_heap():  # a collection's stall would show in the trace as one very slow step
             engine.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in wanted])
         recorder.meta["model"] = f"random-weight {settings.model['size']} ({settings.model['arch']}), {settings.dtype}"
+        recorder.meta.update(
+            weight_bytes=weight_bytes(model), kv_bytes_per_token=kv_bytes_per_token(model), bandwidth=bandwidth
+        )
         path = recorder.save(directory / f"gpu_{policy}.json")
         samples = [r.gpu_util for r in recorder.reports if r.gpu_util is not None]
         part[policy] = {
@@ -783,7 +787,7 @@ def main() -> None:
     with section(results, "decode floor", console, args.out) as part:
         decode_floor(model, settings, bandwidth, part)
     with section(results, "traces", console, args.out) as part:
-        record_traces(model, settings, traces, part)
+        record_traces(model, settings, traces, bandwidth, part)
     with section(results, "profile", console, args.out) as part:
         profile_decode(model, settings, part)
     with section(results, "kernel shapes", console, args.out) as part:

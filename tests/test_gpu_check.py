@@ -68,6 +68,9 @@ def test_quick_cpu_run(tmp_path: Path) -> None:
     for policy in ("continuous", "static"):
         reports, meta = load_trace(tmp_path / f"gpu_{policy}.json")
         assert reports and meta["policy"] == policy
+        # what notebook 08 draws a replayed run's roofline from
+        assert meta["weight_bytes"] == results["model"]["weight_bytes"] and meta["bandwidth"] > 0
+        assert meta["kv_bytes_per_token"] == results["model"]["kv_bytes_per_token"]
 
 
 @pytest.fixture(scope="module")

@@ -35,9 +35,12 @@ class MyScheduler(Scheduler):
            its blocks with ``allocator.allocate(request_id, num_computed_tokens + n)``; while it needs more
            blocks than are free, preempt the youngest running request not yet preempted
            (``self.preempt(output, victim)``), and stop if that was this request itself.
-        2. Then, unless this step preempted, admit waiting requests from the front, in order, while the
-           budget is positive, ``len(self.running) + len(output.admitted) < config.max_num_seqs``, the
-           (possibly chunked) prompt fits and the allocator can allocate it: allocate, then
+        2. Then, unless this step preempted (the victims' blocks are for the running requests, not for a
+           newcomer), admit waiting requests from the front, in order, while the budget is positive,
+           ``len(self.running) + len(output.admitted) < config.max_num_seqs``, the first chunk fits and the
+           allocator can allocate it. That chunk is ``n = min(request.num_tokens, budget)`` tokens from 0
+           (the whole ``num_tokens`` without chunked prefill): a request preempted earlier recomputes its
+           prompt and the tokens it generated, not just its prompt. Allocate, then
            ``output.admitted.append(request)`` and ``output.add_chunk(request, 0, n, True)``.
         The chunks never total more than ``config.max_batch_tokens``. (``self.evict_first`` lists the
         victims of a step that failed and was rolled back; labkit's own version evicts them first.)

@@ -27,9 +27,12 @@ class MySampler(Sampler):
 
         ``logits`` is (rows, vocab) float32; ``temperature`` (> 0), ``top_k`` and ``top_p`` hold one value
         per row. In order: divide the row's logits by its temperature; keep its ``top_k`` most likely tokens
-        (``top_k == 0``: all); softmax; keep the smallest prefix, in order of decreasing probability, whose
-        mass reaches ``top_p`` (a token is dropped when the mass before it is already >= top_p; ``top_p ==
-        1``: all). Then pick the first kept token whose cumulative probability exceeds ``uniform`` times the
-        kept mass (inverse CDF). Use no other randomness. You may loop over the rows.
+        (``top_k == 0``: all); softmax what is left (so top-p sees the renormalised probabilities); keep the
+        smallest set of most probable tokens whose mass reaches ``top_p``: walking them in decreasing
+        probability, a token is dropped once the mass before it is already >= top_p (``top_p == 1``: all).
+        Then walk the kept tokens, again in decreasing probability (not in vocabulary order), and pick the
+        first whose cumulative probability exceeds ``uniform`` times the kept mass (inverse CDF): the same
+        uniform must draw the same token as labkit's sampler. Use no other randomness. You may loop over the
+        rows.
         """
         raise NotImplementedError("Exercise 6")

@@ -26,6 +26,8 @@ class MyScheduler(Scheduler):
         empty or its padded prompt rows, (members + 1) x the longest prompt including this one, stay within
         ``config.max_batch_tokens``, and its blocks for ``num_prompt_tokens + params.max_new_tokens - 1``
         tokens can be reserved up front. Reserve them (``allocate``), then append it to ``output.admitted``.
-        The first request that does not fit ends the batch.
+        The first request that does not fit ends the batch. The first member always joins, even a prompt
+        longer than the budget: it has nothing to pad, and labkit prefills it in chunks. The ``- 1``: the last
+        generated token is never fed back to the model, so it needs no cache slot.
         """
         raise NotImplementedError("Exercise 7")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -63,6 +64,8 @@ def test_the_references_are_labkits_own_implementation():
 def failing(number, implementation):
     result = check(number, implementation, quiet=True)
     assert not result.passed
+    for failure in result.failures:  # a verdict always shows what differs
+        assert failure.kind != "mismatch" or failure.expected != failure.got, failure.message()
     return result, {f.case: f.message() for f in result.failures}
 
 
@@ -122,6 +125,13 @@ class SilentDoubleFree(BlockAllocator):
         return super().free(request_id)
 
 
+class StepZero(BlockAllocator):
+    """Records every event in step 0, whatever step the scheduler is planning."""
+
+    def drain_events(self):
+        return [event._replace(step=0) for event in super().drain_events()]
+
+
 def test_ex1_planted_mistakes_are_named():
     _, leak = failing(1, LeakyFree)
     text = leak["free gives every block back to the end of the free queue"]
@@ -134,6 +144,10 @@ def test_ex1_planted_mistakes_are_named():
     _, double = failing(1, SilentDoubleFree)
     assert list(double) == ["free of a request that owns nothing raises KeyError", *list(double)[1:]]
     assert "raises KeyError" in double["free of a request that owns nothing raises KeyError"]
+    _, step = failing(1, StepZero)
+    text = step["every allocation and free is recorded as a BlockEvent"]
+    assert "allocator.step = 3" in text and "('alloc', 0, 'a', 3)" in text and "('alloc', 0, 'a', 0)" in text
+    assert "the allocator's current self.step" in text
 
 
 # ------------------------------------------------------------------ exercise 2
@@ -149,6 +163,19 @@ def slots_padding_real(segments, block_size, scratch):
     return slot_mapping([s._replace(writes_cache=True, block_table=range(99)) for s in segments], block_size, scratch)
 
 
+def slots_without_block_size(segments, block_size, scratch):
+    """block_table[p // block_size] + p % block_size: forgets to multiply the block by block_size."""
+    slots = []
+    for s in segments:
+        for p in range(s.start, s.start + s.num_tokens):
+            slots.append(s.block_table[p // block_size] + p % block_size if s.writes_cache else scratch)
+    return slots
+
+
+def slots_from_the_last_table(segments, block_size, scratch):
+    return slot_mapping([s._replace(block_table=segments[-1].block_table) for s in segments], block_size, scratch)
+
+
 def test_ex2_planted_mistakes_are_named():
     _, zero = failing(2, slots_from_zero)
     assert "start from s.start" in zero["a chunk that starts mid-block begins at its start position"]
@@ -158,6 +185,16 @@ def test_ex2_planted_mistakes_are_named():
     assert "every one of its tokens goes to scratch_slot" in padding["padding rows write to the scratch slot"]
 
 
+def test_ex2_a_diagnosis_that_cannot_run_is_not_the_learners_error():
+    # Replaying "padding got real slots" on these segments needs blocks their tables lack: labkit's own
+    # slot_mapping raises there, which must neither be blamed on the learner nor hide the real mismatch.
+    for planted, got in ((slots_without_block_size, "[9, 999, 999, 999]"), (slots_from_the_last_table, "[18, 999")):
+        _, messages = failing(2, planted)
+        text = messages["padding rows write to the scratch slot"]
+        assert "raised" not in text and "expected: [30, 999, 999, 999]" in text and f"got:      {got}" in text
+        assert "(segment 0, position 2). position p of a request lives in slot" in text
+
+
 # ------------------------------------------------------------------ exercise 3
 class LearnerScheduler(Scheduler):
     """A plan-only schedule_continuous written from the contract; the subclasses below plant one mistake each."""
@@ -165,6 +202,7 @@ class LearnerScheduler(Scheduler):
     overspend = 0
     prefill_first = False
     max_seqs = True
+    prompt_only = False  # admit a request with its prompt alone, not its prompt and generated tokens
 
     def schedule_continuous(self):
         cfg, allocator = self.config, self.allocator
@@ -200,8 +238,9 @@ class LearnerScheduler(Scheduler):
             seats = not self.max_seqs or len(self.running) + len(output.admitted) < self.config.max_num_seqs
             if budget <= 0 or not seats:
                 break
-            n = min(request.num_tokens, budget)
-            if n < request.num_tokens and not self.config.chunked_prefill:
+            wanted = request.num_prompt_tokens if self.prompt_only else request.num_tokens
+            n = min(wanted, budget)
+            if n < wanted and not self.config.chunked_prefill:
                 break
             if not self.allocator.can_allocate(request.request_id, n):
                 break
@@ -209,6 +248,52 @@ class LearnerScheduler(Scheduler):
             output.admitted.append(request)
             output.add_chunk(request, 0, n, True)
             budget -= n
+        return budget
+
+
+class AdmitsAfterPreempting(LearnerScheduler):
+    def schedule_continuous(self):
+        output = super().schedule_continuous()
+        if output.preempted:
+            self.admit_waiting(output, self.config.max_batch_tokens - sum(c.num_tokens for c in output.chunks))
+        return output
+
+
+class AdmitsThePromptOnly(LearnerScheduler):
+    """Admits a request with its prompt alone, so a preempted one does not recompute its generated tokens."""
+
+    prompt_only = True
+
+
+class PreemptsTheOldest(LearnerScheduler):
+    """Takes each victim from the front of self.running: the request just scheduled, even the one asking."""
+
+    def schedule_continuous(self):
+        allocator = self.allocator
+        output = SchedulerOutput(step=self.step_index + 1, chunks=[])
+        budget = self.config.max_batch_tokens
+        for request in self.running:
+            if budget <= 0 or request in output.preempted:
+                continue
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            end = request.num_computed_tokens + n
+            while allocator.blocks_needed(request.request_id, end) > allocator.num_free_blocks:
+                self.preempt(output, next(r for r in self.running if r not in output.preempted))
+            allocator.allocate(request.request_id, end)
+            output.add_chunk(request, request.num_computed_tokens, n, request.state is RequestState.PREFILLING)
+            budget -= n
+        if not output.preempted:
+            self.admit_waiting(output, budget)
+        return output
+
+
+class PopsTheQueue(LearnerScheduler):
+    """Takes the admitted requests off self.waiting while planning, as update() does once more later."""
+
+    def admit_waiting(self, output, budget):
+        budget = super().admit_waiting(output, budget)
+        for _ in output.admitted:
+            self.waiting.popleft()
         return budget
 
 
@@ -237,6 +322,33 @@ def test_ex3_planted_mistakes_are_named():
     assert "got:      step 2: prefill r2 [0:10]" in text and "only then admit from self.waiting" in text
     _, seqs = failing(3, IgnoresMaxNumSeqs)
     assert "but max_num_seqs is 2" in seqs["max_num_seqs caps the running requests"]
+    _, admits = failing(3, AdmitsAfterPreempting)
+    text = admits["admission stops when the free blocks run out"]
+    assert "step 2 preempts [1] and admits [2]" in text and "a step that preempts admits nothing new" in text
+    _, prompt_only = failing(3, AdmitsThePromptOnly)
+    text = prompt_only["a request that needs a block when none is free preempts the youngest"]
+    assert "expected: step 11: prefill r2 [0:13]" in text and "got:      step 11: prefill r2 [0:6]" in text
+    assert "recomputes all its request.num_tokens (its prompt and the tokens it generated)" in text
+
+
+def test_ex3_a_plan_labkit_cannot_carry_out_is_named_before_the_model_runs():
+    _, oldest = failing(3, PreemptsTheOldest)
+    text = oldest["a request that needs a block when none is free preempts the youngest"]
+    assert "got:      step 8 schedules r0 [12:13] and also preempts r0" in text and "raised" not in text
+    assert "never a request you have already given a chunk" in text
+    _, pops = failing(3, PopsTheQueue)
+    text = pops["a lone prompt is prefilled in one step, then decodes one token a step"]
+    assert "labkit raised while applying your plan: IndexError" in text and "your code raised" not in text
+    assert "never pop from or append to the queues" in text
+
+
+def test_ex3_the_notebooks_name_only_what_a_scheduler_has():
+    scheduler = Scheduler(EngineConfig(num_blocks=8), BlockAllocator(8, 4))
+    for number in (3, 4, 7):
+        notebook = json.loads((STUBS / get(number).filename.replace(".py", ".ipynb")).read_text())
+        prose = "".join("".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "markdown")
+        named = set(re.findall(r"self\.(\w+)", prose))
+        assert {name for name in named if not hasattr(scheduler, name)} == set(), number
 
 
 # ------------------------------------------------------------------ exercise 4
@@ -264,6 +376,19 @@ class KeepsItsBlocks(Scheduler):
         output.preempted.append(victim)
 
 
+class PlansTheCommit(Scheduler):
+    """Changes the victim while planning; requeue_preempted only puts it back in the queue."""
+
+    def preempt(self, output, victim):
+        super().preempt(output, victim)
+        victim.state = RequestState.WAITING
+        victim.num_computed_tokens = 0
+        victim.metrics.num_preemptions += 1
+
+    def requeue_preempted(self, victim):
+        self.waiting.appendleft(victim)
+
+
 def test_ex4_planted_mistakes_are_named():
     _, computed = failing(4, KeepsComputedTokens)
     assert "num_computed_tokens == 0" in computed["the victim's computed tokens restart at 0 and it waits again"]
@@ -273,6 +398,12 @@ def test_ex4_planted_mistakes_are_named():
     assert "appendleft" in back["the victim goes to the front of the waiting queue"]
     _, blocks = failing(4, KeepsItsBlocks)
     assert "still owns blocks" in blocks["the victim's blocks all go back to the free queue"]
+    _, commit = failing(4, PlansTheCommit)
+    text = commit["a rolled-back step leaves its victim as it was"]
+    assert "r2: state RequestState.DECODING, num_computed_tokens 4, num_preemptions 0" in text
+    assert "r2: state RequestState.WAITING, num_computed_tokens 0, num_preemptions 1" in text
+    assert "preempt() only plans" in text
+    assert "got:      the plan preempts []" in listed["a rolled-back step leaves its victim as it was"]
 
 
 def test_ex4_output_case_really_preempts():
@@ -306,6 +437,10 @@ def wrong_head_groups(q, k, v, table, context_len, scale):
     return out[torch.argsort(order)]
 
 
+def returns_float32(q, k, v, table, context_len, scale):
+    return paged_attention(q.float(), k.float(), v.float(), table, context_len, scale)
+
+
 def test_ex5_planted_mistakes_are_named():
     _, past = failing(5, reads_one_past)
     assert "only partly filled" in past["a decode query over a context that ends mid-block"]
@@ -316,6 +451,10 @@ def test_ex5_planted_mistakes_are_named():
     assert "-inf before the softmax" in causal["a prefill chunk attends causally"]
     _, heads = failing(5, wrong_head_groups)
     assert "repeat_interleave" in heads["grouped-query attention: query heads share KV heads"]
+    _, dtype = failing(5, returns_float32)
+    assert list(dtype) == ["bfloat16 tensors give a bfloat16 output close to float32 attention"]
+    text = dtype["bfloat16 tensors give a bfloat16 output close to float32 attention"]
+    assert "the query's dtype, torch.bfloat16" in text and "dtype torch.float32" in text and ".to(query.dtype)" in text
 
 
 # ------------------------------------------------------------------ exercise 6
@@ -339,6 +478,58 @@ class GlobalRandom(Sampler):
         return super().sample_rows(logits, temperature, top_k, top_p, torch.rand(uniform.shape, dtype=uniform.dtype))
 
 
+class RowByRow(Sampler):
+    """sample_rows written from the contract, one row at a time; the subclasses below plant one mistake each."""
+
+    top_p_first = False  # top-p before top-k
+    renormalise = True  # top-p on the probabilities top-k left, renormalised
+    by_probability = True  # the inverse CDF walks the tokens in decreasing probability
+
+    def sample_rows(self, logits, temperature, top_k, top_p, uniform):
+        rows = zip(logits, temperature.tolist(), top_k.tolist(), top_p.tolist(), uniform.tolist(), strict=True)
+        return torch.tensor([self.sample_row(*row) for row in rows])
+
+    def sample_row(self, logits, temperature, top_k, top_p, uniform):
+        probs = (logits / temperature).softmax(-1)
+        order = probs.sort(descending=True).indices.tolist()
+        keep = set(order)
+        by_k = set(order[:top_k]) if top_k > 0 else keep
+        for nucleus in (True, False) if self.top_p_first else (False, True):
+            keep &= self.nucleus(probs, order, keep, top_p) if nucleus else by_k
+        walk = [t for t in (order if self.by_probability else range(len(order))) if t in keep]
+        target, mass = uniform * sum(float(probs[t]) for t in walk), 0.0
+        for token in walk:
+            mass += float(probs[token])
+            if mass > target:
+                return token
+        return walk[-1]
+
+    def nucleus(self, probs, order, keep, top_p):
+        total = sum(float(probs[t]) for t in keep) if self.renormalise else 1.0
+        kept, before = set(), 0.0
+        for token in (t for t in order if t in keep):
+            if before < top_p:
+                kept.add(token)
+            before += float(probs[token]) / total
+        return kept
+
+
+class TopPBeforeTopK(RowByRow):
+    top_p_first = True
+
+
+class TopPNotRenormalised(RowByRow):
+    renormalise = False
+
+
+class CdfInVocabularyOrder(RowByRow):
+    by_probability = False
+
+
+def test_ex6_a_sampler_written_from_the_contract_passes():
+    assert check(6, RowByRow, quiet=True).passed
+
+
 def test_ex6_planted_mistakes_are_named():
     _, top_p = failing(6, TopPOneTooMany)
     assert "drew token(s) [2], which the filters remove" in top_p["top_p keeps the smallest nucleus that reaches top_p"]
@@ -348,6 +539,15 @@ def test_ex6_planted_mistakes_are_named():
     assert "drew token(s) [2]" in top_k["top_k keeps the k most likely tokens"]
     _, rng = failing(6, GlobalRandom)
     assert "no torch.multinomial or torch.rand" in rng["a row draws the same token alone and in a batch"]
+    for planted in (TopPBeforeTopK, TopPNotRenormalised):
+        _, order = failing(6, planted)
+        text = order["top_k, then top_p on the renormalised rest"]
+        assert "shares {0: 1.0}" in text and "drew token(s) [1], which the filters remove" in text
+    _, vocabulary = failing(6, CdfInVocabularyOrder)
+    text = vocabulary["the inverse CDF walks the tokens in decreasing probability"]
+    assert "expected: uniform [0, 0.4) -> 1, [0.4, 0.7) -> 3" in text and "got:      uniform [0, 0.1) -> 0" in text
+    assert "not in vocabulary order" in text
+    assert "walk the kept tokens in decreasing probability" in vocabulary["random rows draw like labkit's sampler"]
 
 
 # ------------------------------------------------------------------ exercise 7
@@ -392,6 +592,24 @@ class SkipsAhead(LearnerStatic):
     skip_ahead = True
 
 
+class NoBatchOfOne(LearnerStatic):
+    """Applies the padding rule to the first member too: a prompt longer than the budget never starts."""
+
+    def fits(self, batch, request):
+        longest = max([r.num_prompt_tokens for r in batch] + [request.num_prompt_tokens])
+        return (len(batch) + 1) * longest <= self.config.max_batch_tokens
+
+
+class ReservesTheLastToken(LearnerStatic):
+    def reserve(self, request):
+        return request.num_prompt_tokens + request.params.max_new_tokens
+
+
+class NeverAllocates(LearnerStatic):
+    def reserve(self, request):
+        return 0
+
+
 def test_ex7_a_policy_written_from_the_contract_passes():
     assert check(7, LearnerStatic, quiet=True).passed
 
@@ -407,6 +625,17 @@ def test_ex7_planted_mistakes_are_named():
     assert "admitted [0, 1, 2]" in text and "reserve each member's whole future up front" in text
     _, skip = failing(7, SkipsAhead)
     assert "step 1: prefill r0 [0:4]; admitted [0]" in skip["the first request that does not fit ends the batch"]
+    _, alone = failing(7, NoBatchOfOne)
+    assert list(alone) == ["a first prompt longer than max_batch_tokens forms a batch of its own"]
+    text = alone["a first prompt longer than max_batch_tokens forms a batch of its own"]
+    assert "step 1: prefill r0 [0:16]; admitted [0]" in text and "the first request always joins" in text
+    _, last = failing(7, ReservesTheLastToken)
+    assert list(last) == ["the last generated token needs no slot"]
+    text = last["the last generated token needs no slot"]
+    assert "admitted [0, 1, 2]" in text and "admitted [0, 1]" in text and "never fed back" in text
+    _, unallocated = failing(7, NeverAllocates)
+    text = unallocated["random workloads form the batches labkit forms"]
+    assert "step 1 schedules r0 [0:1], but r0's blocks hold 0 tokens" in text and "raised" not in text
 
 
 # ------------------------------------------------------------------ exercise 8: planted mistakes
@@ -467,6 +696,25 @@ class EveryMissIsNew(PrefixCache):
     def match(self, request):
         found = PrefixCache.match(self, request)
         return found._replace(miss="new") if found.miss == "evicted" else found
+
+
+class TupleBlocks(PrefixCache):
+    def match(self, request):
+        found = PrefixCache.match(self, request)
+        return found._replace(blocks=tuple(found.blocks))
+
+
+class NoBlocksIsNone(PrefixCache):
+    def match(self, request):
+        found = PrefixCache.match(self, request)
+        return found if found.blocks else found._replace(blocks=None)
+
+
+def test_ex8_blocks_may_be_any_sequence_and_a_wrong_one_shows_itself():
+    assert check(8, TupleBlocks, quiet=True).passed  # the allocator takes any sequence of block ids
+    _, messages = failing(8, NoBlocksIsNone)
+    text = messages["match never serves a request's last token"]
+    assert "expected: PrefixMatch(blocks=[]," in text and "got:      PrefixMatch(blocks=None," in text
 
 
 def test_ex8_planted_mistakes_are_named():

@@ -3,7 +3,9 @@ lockstep, and the first step where they decide differently is the feedback.
 
 The simulated model's tokens depend only on each request's tokens so far, so the two engines see the same
 outputs as long as they schedule the same work; a step also checks the rules that hold for any scheduler
-(the token budget, ``max_num_seqs``) before it compares, so that breaking one is named outright.
+(the token budget, ``max_num_seqs``) before it compares, so that breaking one is named outright. The
+learner's plan is checked before labkit carries it out, and an error labkit raises while carrying out a
+plan is reported as that, not as the learner's code raising.
 """
 
 from __future__ import annotations
@@ -16,13 +18,70 @@ from labkit.core.config import EngineConfig
 from labkit.core.engine import Engine
 from labkit.core.report import StepReport
 from labkit.core.request import SamplingParams
+from labkit.core.scheduler import SchedulerOutput
 from labkit.core.sim import SimulatedModel
-from labkit.exercises.framework import Mismatch, showing
+from labkit.exercises.framework import Mismatch, learner_frames, showing
 
 #: (prompt tokens, max_new_tokens) of each request, in arrival order.
 Workload = Sequence[tuple[int, int]]
 Invariant = Callable[[Engine, StepReport, EngineConfig], str | None]
 MAX_STEPS = 400
+
+SCHEDULED_VICTIM_HINT = (
+    "a victim is one of the running requests not scheduled this step: preempt from the end of self.running"
+    " (the youngest first) and never a request you have already given a chunk; if the request that needs the"
+    " block is the only one left, it is the victim and gets no chunk"
+)
+ALLOCATE_HINT = (
+    "the model writes each planned token's key and value into the request's blocks, so allocate them before"
+    " planning the chunk: self.allocator.allocate(request.request_id, num_tokens) covers the request's"
+    " first num_tokens tokens"
+)
+APPLY_HINT = (
+    "after the model ran, Scheduler.update carries your plan out: it takes output.admitted off the front of"
+    " self.waiting and output.preempted off the end of self.running, and frees the blocks of the requests that"
+    " finish. So a plan changes nothing but the allocator (never pop from or append to the queues, never change"
+    " a request) and names each request at most once"
+)
+
+
+class _BadPlan(Exception):
+    """A plan that labkit cannot carry out: raised before the model runs, so that the step rolls back."""
+
+    def __init__(self, message: str, hint: str) -> None:
+        super().__init__(message)
+        self.message, self.hint = message, hint
+
+
+def plan_problem(engine: Engine, output: SchedulerOutput) -> tuple[str, str] | None:
+    """(what is wrong, hint) for a plan that labkit could not carry out faithfully; None for a sound one."""
+    preempted = {r.request_id for r in output.preempted}
+    allocator = engine.allocator
+    for chunk in output.chunks:
+        request_id, end = chunk.request.request_id, chunk.start + chunk.num_tokens
+        where = f"r{request_id} [{chunk.start}:{end}]"
+        if request_id in preempted:
+            return f"step {output.step} schedules {where} and also preempts r{request_id}", SCHEDULED_VICTIM_HINT
+        slots = len(allocator.block_tables.get(request_id, ())) * allocator.block_size
+        if slots < end:
+            message = f"step {output.step} schedules {where}, but r{request_id}'s blocks hold {slots} tokens"
+            return message, ALLOCATE_HINT
+    return None
+
+
+def check_plans(engine: Engine) -> None:
+    """Make ``engine``'s scheduler raise _BadPlan, before the model runs, on a plan with a :func:`plan_problem`."""
+    scheduler = engine.scheduler
+    plan = scheduler.schedule
+
+    def schedule() -> SchedulerOutput:
+        output = plan()
+        problem = plan_problem(engine, output)
+        if problem is not None:
+            raise _BadPlan(*problem)
+        return output
+
+    scheduler.schedule = schedule  # this engine's scheduler only: an instance attribute
 
 
 def prompts(workload: Workload) -> list[list[int]]:
@@ -102,13 +161,23 @@ def run_in_lockstep(
     """
     done: list[str] = []
     showing(setup)
+    check_plans(mine)
     for _ in range(MAX_STEPS):
         if not ref.has_unfinished() and not mine.has_unfinished():
             return
         so_far = "\n".join([setup, *done[-6:]])
         showing(f"{so_far}\n(in step {len(done) + 1})")
-        expected, got = ref.step(), mine.step()
+        expected = ref.step()
         want = f"step {expected.step}: {show(expected)}"
+        try:
+            got = mine.step()
+        except _BadPlan as bad:
+            raise Mismatch(so_far, want, bad.message, bad.hint) from None
+        except Exception as error:
+            if learner_frames(error):  # raised in the learner's own code: shown as theirs
+                raise
+            got_text = f"labkit raised while applying your plan: {type(error).__name__}: {error}"
+            raise Mismatch(so_far, want, got_text, APPLY_HINT) from error
         for rule, rule_hint in rules:
             message = rule(mine, got, mine.config)
             if message is not None:

@@ -11,7 +11,8 @@ from typing import Any
 from labkit.core.blocks import BlockAllocator, NoFreeBlocksError
 from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing
 
-Op = tuple[Any, ...]  # ("allocate", request, num_tokens), ("free", request), ("append_slot", request), ("share", ...)
+# ("allocate", request, num_tokens), ("free", request), ("append_slot", request), ("share", ...), ("step", n)
+Op = tuple[Any, ...]
 
 
 def _apply(allocator: Any, op: Op) -> Any:
@@ -22,6 +23,9 @@ def _apply(allocator: Any, op: Op) -> Any:
         allocator.block_tables[target] = [block]
         allocator.ref_counts[block] += 1
         allocator.num_slots[target] = allocator.block_size
+        return None
+    if kind == "step":  # what the scheduler does before planning each step: events carry that step
+        allocator.step = args[0]
         return None
     try:
         return getattr(allocator, kind)(*args)
@@ -46,6 +50,8 @@ def _op_text(op: Op) -> str:
     kind, *args = op
     if kind == "share":
         return f"# request {args[1]!r} shares the first block of {args[0]!r} (as prefix caching does)"
+    if kind == "step":
+        return f"allocator.step = {args[0]}  # the scheduler sets it before each step"
     return f"{kind}({', '.join(map(repr, args))})"
 
 
@@ -148,9 +154,10 @@ CASES = [
         "every allocation and free is recorded as a BlockEvent",
         4,
         2,
-        [("allocate", "a", 3), ("append_slot", "a"), ("append_slot", "a"), ("free", "a")],
+        [("step", 3), ("allocate", "a", 3), ("append_slot", "a"), ("step", 4), ("append_slot", "a"), ("free", "a")],
         "append BlockEvent('alloc', block, request_id, self.step) for each new block and"
-        " BlockEvent('free', block, request_id, self.step) for each released one: the block map draws them",
+        " BlockEvent('free', block, request_id, self.step) for each released one, with the allocator's current"
+        " self.step (the scheduler sets it before each step): the block map draws them step by step",
         events=True,
     ),
     property_case(

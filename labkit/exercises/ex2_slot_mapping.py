@@ -33,7 +33,9 @@ def compare(fn: Any, raw: list[tuple[int, int, list[int], bool]], block_size: in
     if not isinstance(got, list) or got != expected:
         if isinstance(got, list) and len(got) == len(expected):
             first = next(i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if a != b)
-            where = _token_at(segments, first)
+            segment, where = _token_at(segments, first)
+            if segment.writes_cache and FORMULA not in hint:  # a real token is wrong: the formula is the rule broken
+                hint = f"{FORMULA}; {hint}"
             hint = (
                 f"the first wrong slot is packed token {first} ({where}). {_diagnose(segments, block_size, got)}{hint}"
             )
@@ -41,7 +43,12 @@ def compare(fn: Any, raw: list[tuple[int, int, list[int], bool]], block_size: in
 
 
 def _diagnose(segments: list[Any], block_size: int, got: list[int]) -> str:
-    """Name a classic mistake when the learner's slots are exactly what it would give."""
+    """Name a classic mistake when the learner's slots are exactly what it would give.
+
+    Each mistake is replayed on labkit's slot_mapping with the segments changed to match it; one that cannot
+    run on these segments (a padding segment's table is too short to write through) is skipped, since an
+    error there is labkit's, not the learner's.
+    """
     from labkit.runtime.attention import slot_mapping
 
     mistakes = {
@@ -56,17 +63,22 @@ def _diagnose(segments: list[Any], block_size: int, got: list[int]) -> str:
         ],
     }
     for text, wrong in mistakes.items():
-        if wrong != segments and slot_mapping(wrong, block_size, SCRATCH) == got:
+        if wrong == segments:
+            continue
+        try:
+            would_give = slot_mapping(wrong, block_size, SCRATCH)
+        except IndexError:  # the mistake needs blocks these segments do not have: it cannot be the learner's
+            continue
+        if would_give == got:
             return text
     return ""
 
 
-def _token_at(segments: list[Any], row: int) -> str:
-    for index, s in enumerate(segments):
-        if row < s.num_tokens:
-            return f"segment {index}, position {s.start + row}"
-        row -= s.num_tokens
-    return "past the end"
+def _token_at(segments: list[Any], row: int) -> tuple[Any, str]:
+    """The segment that packed token ``row`` belongs to, and where it is, in words."""
+    owners = [(index, s, s.start + k) for index, s in enumerate(segments) for k in range(s.num_tokens)]
+    index, segment, position = owners[row]
+    return segment, f"segment {index}, position {position}{'' if segment.writes_cache else ', padding'}"
 
 
 def _case(name: str, raw: list[tuple[int, int, list[int], bool]], block_size: int, hint: str) -> Case:

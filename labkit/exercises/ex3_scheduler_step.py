@@ -20,6 +20,16 @@ ORDER_HINT = (
     "first walk self.running in order (each gets its next decode token or prompt chunk), and only then"
     " admit from self.waiting: a running request is never starved by a newcomer"
 )
+RECOMPUTE_HINT = (
+    "a preempted request waits again at the front of self.waiting and recomputes all its request.num_tokens"
+    " (its prompt and the tokens it generated) from 0: admit it with min(request.num_tokens, budget) tokens,"
+    " not just its prompt"
+)
+NO_ADMIT_HINT = (
+    "a step that preempts admits nothing new: if output.preempted is not empty after the running requests,"
+    " skip admission. The victim's blocks went back so that the running requests can grow; handing them to a"
+    " newcomer would evict one request to admit another"
+)
 
 
 def decode_first_rule(engine: Engine, report: StepReport, cfg: EngineConfig) -> str | None:
@@ -33,7 +43,18 @@ def decode_first_rule(engine: Engine, report: StepReport, cfg: EngineConfig) -> 
     return None
 
 
-RULES = [(budget_rule, BUDGET_HINT), (max_seqs_rule, SEQS_HINT), (decode_first_rule, ORDER_HINT)]
+def no_admit_rule(engine: Engine, report: StepReport, cfg: EngineConfig) -> str | None:
+    if report.preempted and report.admitted:
+        return f"step {report.step} preempts {list(report.preempted)} and admits {list(report.admitted)}"
+    return None
+
+
+RULES = [
+    (budget_rule, BUDGET_HINT),
+    (max_seqs_rule, SEQS_HINT),
+    (decode_first_rule, ORDER_HINT),
+    (no_admit_rule, NO_ADMIT_HINT),
+]
 
 
 def _case(name: str, workload: Workload, hint: str, **overrides: Any) -> Case:
@@ -108,7 +129,8 @@ CASES = [
     _case(
         "admission stops when the free blocks run out",
         [(8, 2), (8, 2), (8, 2)],
-        "admit a request only if self.allocator.can_allocate(request.request_id, num_tokens); then allocate",
+        "admit a request only if self.allocator.can_allocate(request.request_id, num_tokens); then allocate."
+        f" {RECOMPUTE_HINT}",
         num_blocks=5,
     ),
     _case(
@@ -117,7 +139,7 @@ CASES = [
         "before allocating a running request's chunk, while allocator.blocks_needed(...) >"
         " allocator.num_free_blocks, preempt the youngest running request not yet preempted"
         " (self.preempt(output, victim)); stop if that is this very request, and admit nothing in a step that"
-        " preempted",
+        f" preempted. Later, {RECOMPUTE_HINT}",
         num_blocks=9,
     ),
     property_case("random workloads are scheduled like labkit's scheduler", _strategy, _property, max_examples=40),

@@ -1,8 +1,9 @@
 """Checks for exercise 4, preemption: plan it (Scheduler.preempt), commit it (Scheduler.requeue_preempted).
 
 The victim cases run one scenario, three requests decoding in a cache too small for all of them, until
-the step that preempts, and then look at one part of the contract each; the other cases compare whole
-runs with labkit's scheduler and with a run that never preempts.
+the step that preempts, and then look at one part of the contract each; one plans that step and rolls it
+back, as the engine does when the model fails; the other cases compare whole runs with labkit's scheduler
+and with a run that never preempts.
 """
 
 from __future__ import annotations
@@ -22,13 +23,19 @@ SCENARIO_CONFIG = config(num_blocks=5, max_num_seqs=3)  # 3 blocks after prefill
 VICTIM = 2
 
 
-def _preempting_step(cls: Any) -> tuple[Engine, Any, dict[str, Any], str]:
-    """Serve the scenario with ``cls`` until a step preempts; return the engine, that report and the state before."""
+def _scenario(cls: Any) -> tuple[Engine, str]:
+    """A fresh engine on ``cls`` holding the scenario's requests, and the scenario in words."""
     engine = Engine(SimulatedModel(), SCENARIO_CONFIG, scheduler_cls=cls)
     for prompt in prompts(SCENARIO):
         engine.add_request(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
     text = describe(SCENARIO_CONFIG, SCENARIO)
     showing(text)
+    return engine, text
+
+
+def _preempting_step(cls: Any) -> tuple[Engine, Any, dict[str, Any], str]:
+    """Serve the scenario with ``cls`` until a step preempts; return the engine, that report and the state before."""
+    engine, text = _scenario(cls)
     for _ in range(3):
         before = {"blocks": len(engine.allocator.block_tables.get(VICTIM, ())), "free": engine.num_free_blocks}
         report = engine.step()
@@ -90,6 +97,42 @@ def _counted(engine: Engine, report: Any, before: dict[str, Any]) -> tuple[str, 
     return None
 
 
+def _victim_state(engine: Engine) -> str:
+    scheduler, victim = engine.scheduler, engine.requests[VICTIM]
+    return (
+        f"r{VICTIM}: state {victim.state}, num_computed_tokens {victim.num_computed_tokens},"
+        f" num_preemptions {victim.metrics.num_preemptions}; running {[r.request_id for r in scheduler.running]},"
+        f" waiting {[r.request_id for r in scheduler.waiting]}"
+    )
+
+
+_ROLLBACK_HINT = (
+    "preempt() only plans: free the victim's blocks (the allocator's checkpoint can undo that) and list it in"
+    " output.preempted, nothing more. Its state, num_computed_tokens and num_preemptions change in"
+    " requeue_preempted(), which update() calls once the model has run: a step that fails is rolled back, and"
+    " only the allocator's changes are undone"
+)
+
+
+def _rolled_back(cls: Any) -> None:
+    """Plan the preempting step, then roll it back as the engine does when the model fails: r2 must be as before."""
+    engine, text = _scenario(cls)
+    report = engine.step()
+    text += f"\nstep {report.step}: {step_text(report)}"
+    before = _victim_state(engine)
+    text += "\nstep 2 is planned (output = scheduler.schedule()), then the model fails and the engine rolls it"
+    text += " back (scheduler.rollback(output))"
+    showing(text)
+    output = engine.scheduler.schedule()
+    engine.scheduler.rollback(output)
+    if [r.request_id for r in output.preempted] != [VICTIM]:
+        got = f"the plan preempts {[r.request_id for r in output.preempted]}"
+        raise Mismatch(text, f"the plan preempts [{VICTIM}]", got, _PLAN_HINT)
+    after = _victim_state(engine)
+    if after != before:
+        raise Mismatch(text, f"as before the plan: {before}", f"after the rollback: {after}", _ROLLBACK_HINT)
+
+
 def _unchanged_output(cls: Any) -> None:
     workload = [(10, 16), (9, 16), (11, 16), (8, 16)]
     cfg = config(num_blocks=14, max_batch_tokens=24)
@@ -146,6 +189,7 @@ CASES = [
         "victim.metrics.num_preemptions += 1: serving dashboards (and labkit's metrics) count preemptions",
         _counted,
     ),
+    Case("a rolled-back step leaves its victim as it was", _rolled_back, _ROLLBACK_HINT),
     Case(
         "a preempted request's output is unchanged",
         _unchanged_output,

@@ -35,6 +35,16 @@ def _shares(tokens: list[int]) -> dict[int, float]:
     return {t: round(tokens.count(t) / len(tokens), 3) for t in sorted(set(tokens))}
 
 
+def _by_uniform(tokens: list[int]) -> str:
+    """Which token each stretch of the uniform sweep draws: "[0, 0.4) -> 1, [0.4, 0.7) -> 3, ..."."""
+    runs, start = [], 0
+    for i in range(1, len(tokens) + 1):
+        if i == len(tokens) or tokens[i] != tokens[start]:
+            runs.append(f"[{start / len(tokens):g}, {i / len(tokens):g}) -> {tokens[start]}")
+            start = i
+    return "uniform " + ", ".join(runs)
+
+
 def distribution_case(name: str, hint: str, probs: list[float], temperature: float, top_k: int, top_p: float) -> Case:
     logits = [math.log(p) for p in probs]
 
@@ -54,7 +64,12 @@ def distribution_case(name: str, hint: str, probs: list[float], temperature: flo
             note = f"your sampler drew token(s) {removed}, which the filters remove. " if removed else ""
             missing = sorted(set(expected) - set(got))
             note += f"It never drew token(s) {missing}, which should stay. " if missing else ""
-            raise Mismatch(text, f"tokens drawn with shares {_shares(expected)}", f"shares {_shares(got)}", note + hint)
+            if _shares(got) != _shares(expected):
+                want, have = f"tokens drawn with shares {_shares(expected)}", f"shares {_shares(got)}"
+            else:  # every token as often as it should, but for other uniforms: the walk's order is wrong
+                want, have = _by_uniform(expected), _by_uniform(got)
+                note += "Each token is drawn as often as it should be, but for other uniform values. "
+            raise Mismatch(text, want, have, note + hint)
 
     return Case(name, run, hint)
 
@@ -107,7 +122,7 @@ def _property(cls: Any, example: Any) -> None:
     expected = _draw(Sampler(), [logits], [params], [uniform])
     got = _draw(cls(), [logits], [params], [uniform])
     if got != expected:
-        raise Mismatch(text, f"token {expected[0]}", f"token {got[0]}", "the first check above that fails says more")
+        raise Mismatch(text, f"token {expected[0]}", f"token {got[0]}", STEPS_HINT)
 
 
 TEMPERATURE_HINT = "divide the logits by the temperature before the softmax: below 1 sharpens, above 1 flattens"
@@ -115,6 +130,17 @@ TOP_K_HINT = "keep the top_k most likely tokens (all of them when top_k == 0), r
 TOP_P_HINT = (
     "sort by probability and keep the smallest prefix whose mass reaches top_p: a token is dropped when the"
     " mass before it is already >= top_p (the most likely token always stays)"
+)
+CDF_HINT = (
+    "walk the kept tokens in order of decreasing probability, not in vocabulary order: sort the probabilities"
+    " descending (keeping the token ids, e.g. torch.sort's indices), cumsum them and take the first token whose"
+    " cumulative probability exceeds uniform times the kept mass. Each token's share is the same in either"
+    " order, but not the token a given uniform draws, and a seeded request must draw labkit's tokens"
+)
+STEPS_HINT = (
+    "labkit's steps, in order: divide the logits by the temperature; keep the top_k most likely; softmax; keep"
+    " the top_p nucleus of what is left; walk the kept tokens in decreasing probability until the cumulative"
+    " probability exceeds uniform times the kept mass"
 )
 CASES = [
     distribution_case(
@@ -126,6 +152,14 @@ CASES = [
         0,
         1.0,
     ),
+    distribution_case(
+        "the inverse CDF walks the tokens in decreasing probability",
+        CDF_HINT,
+        [0.1, 0.4, 0.2, 0.3],
+        1.0,
+        0,
+        1.0,
+    ),
     distribution_case("temperature below 1 sharpens the distribution", TEMPERATURE_HINT, PROBS, 0.5, 0, 1.0),
     distribution_case("temperature above 1 flattens the distribution", TEMPERATURE_HINT, PROBS, 2.0, 0, 1.0),
     distribution_case("top_k keeps the k most likely tokens", TOP_K_HINT, [0.1, 0.4, 0.2, 0.3], 1.0, 2, 1.0),
@@ -133,12 +167,13 @@ CASES = [
     distribution_case("top_p always keeps the most likely token", TOP_P_HINT, PROBS, 1.0, 0, 0.01),
     distribution_case(
         "top_k, then top_p on the renormalised rest",
-        "apply top_k first, renormalise what is left, then top_p on that: "
-        "the order in labkit is temperature, top_k, top_p",
+        "apply top_k first, renormalise what is left, then top_p on that: here top_k=2 leaves 0.4 and 0.3,"
+        " renormalised 0.57 and 0.43, so top_p=0.5 keeps token 0 alone (top_p first, or on the probabilities"
+        " before renormalising, keeps tokens 0 and 1); the order in labkit is temperature, top_k, top_p",
         [0.4, 0.3, 0.2, 0.1],
         1.0,
-        3,
-        0.6,
+        2,
+        0.5,
     ),
     Case(
         "a row draws the same token alone and in a batch",

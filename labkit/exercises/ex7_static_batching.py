@@ -20,6 +20,16 @@ RESERVE_HINT = (
     " num_prompt_tokens + params.max_new_tokens - 1) (the last token is never fed back, so it needs no slot)"
 )
 ORDER_HINT = "the first waiting request that does not fit ends the batch (break): never skip ahead of it"
+ALONE_HINT = (
+    "the padding rule applies only once the batch has a member: the first request always joins, even a prompt"
+    " longer than max_batch_tokens (it has nothing to pad, and labkit prefills it in chunks of the budget);"
+    " without that exception it would wait forever"
+)
+LAST_TOKEN_HINT = (
+    "reserve num_prompt_tokens + params.max_new_tokens - 1 tokens, not one more: the last generated token is"
+    " returned but never fed back to the model, so no key or value of it is ever written; reserving its slot"
+    " too leaves blocks idle that another member could use"
+)
 SEQS_HINT = "admit only while len(output.admitted) < self.config.max_num_seqs"
 
 
@@ -95,7 +105,19 @@ CASES = [
         num_blocks=9,
     ),
     _case(
+        "the last generated token needs no slot",
+        [(4, 5), (4, 5), (4, 5)],
+        LAST_TOKEN_HINT,
+        num_blocks=6,
+    ),
+    _case(
         "the first request that does not fit ends the batch", [(4, 2), (12, 2), (3, 2)], ORDER_HINT, max_batch_tokens=16
+    ),
+    _case(
+        "a first prompt longer than max_batch_tokens forms a batch of its own",
+        [(20, 2), (3, 2)],
+        ALONE_HINT,
+        max_batch_tokens=16,
     ),
     property_case("random workloads form the batches labkit forms", _strategy, _property, max_examples=40),
 ]

@@ -111,10 +111,12 @@ def _replay(cls: Any, ops: list[Op], name: str) -> tuple[list[PrefixMatch], list
 
 
 def _show(match: Any) -> str:
-    if not isinstance(match, tuple) or len(match) != 4:
+    """A lookup's answer in words; ``blocks`` as a list, since the allocator takes any sequence of block ids."""
+    if not isinstance(match, PrefixMatch):
         return f"{match!r} (not a PrefixMatch)"
     blocks, tokens, query, miss = match
-    return f"PrefixMatch(blocks={list(blocks)}, num_query_tokens={tokens}, num_query_blocks={query}, miss={miss!r})"
+    shown = list(blocks) if isinstance(blocks, (list, tuple)) else blocks
+    return f"PrefixMatch(blocks={shown!r}, num_query_tokens={tokens!r}, num_query_blocks={query!r}, miss={miss!r})"
 
 
 def compare(cls: Any, ops: list[Op], hint: str) -> None:
@@ -124,7 +126,7 @@ def compare(cls: Any, ops: list[Op], hint: str) -> None:
     got, _ = _replay(cls, ops, name)
     lookups = [i for i, line in enumerate(text) if line.startswith("cache.match")]
     for number, (want, have) in enumerate(zip(expected, got, strict=True)):
-        if not isinstance(have, tuple) or tuple(want) != tuple(have):
+        if _show(want) != _show(have):  # compared as shown, so that a failure always shows what differs
             shown = "\n".join(text[: lookups[number] + 1])
             raise Mismatch(shown, _show(want), _show(have), hint)
 

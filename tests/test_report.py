@@ -65,9 +65,9 @@ def test_derived_numbers():
 
 def test_describe_tells_the_step_in_words():
     assert hand_made_report().describe() == [
+        "step 3: request 1 preempted, freed blocks 0, 1",
         "step 3: request 2 admitted",
         "step 3: request 2 took blocks 4, 5",
-        "step 3: request 1 preempted, freed blocks 0, 1",
         "step 3: request 0 finished (length) and freed block 7",
         "step 3: request 5 freed block 6",
     ]

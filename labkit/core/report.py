@@ -85,7 +85,11 @@ class StepReport:
         return {w.request_id: w.token for w in self.scheduled if w.token is not None}
 
     def describe(self) -> list[str]:
-        """The step's events in words, as the block map's event log shows them."""
+        """The step's events in words, as the block map's event log shows them.
+
+        Preemptions come first: they free blocks while the step is planned, and what they free is what the
+        step's admissions and new blocks may take. Finishes come last: they free blocks after the step ran.
+        """
         lines = []
         by_kind: dict[str, dict[int, list[int]]] = {}
         for event in self.block_events:
@@ -96,6 +100,9 @@ class StepReport:
             blocks = released.pop(rid, [])
             return f", released shared block{_s(blocks)} {_ids(blocks)}" if blocks else ""
 
+        for rid in self.preempted:
+            freed = frees.pop(rid, [])
+            lines.append(f"step {self.step}: request {rid} preempted, freed blocks {_ids(freed)}{shared(rid)}")
         for rid in self.admitted:
             lines.append(f"step {self.step}: request {rid} admitted")
         for kind, verb in (("hit", "reused cached"), ("evict", "evicted cached"), ("alloc", "took")):
@@ -103,9 +110,6 @@ class StepReport:
                 lines.append(f"step {self.step}: request {rid} {verb} block{_s(blocks)} {_ids(blocks)}")
         for rid, blocks in by_kind.get("cache", {}).items():
             lines.append(f"step {self.step}: request {rid} cached full block{_s(blocks)} {_ids(blocks)}")
-        for rid in self.preempted:
-            freed = frees.pop(rid, [])
-            lines.append(f"step {self.step}: request {rid} preempted, freed blocks {_ids(freed)}{shared(rid)}")
         for rid, reason in self.finished.items():
             freed = frees.pop(rid, [])
             tail = f" and freed block{_s(freed)} {_ids(freed)}" if freed else ""

@@ -4,8 +4,10 @@ engine's seams give labkit's own tokens."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import operator
 import re
 import struct
 from pathlib import Path
@@ -441,6 +443,31 @@ def returns_float32(q, k, v, table, context_len, scale):
     return paged_attention(q.float(), k.float(), v.float(), table, context_len, scale)
 
 
+def written_out(q, k, v, table, context_len, scale, *, visible=operator.le, softmax_dim=-1):
+    """paged_attention written from the contract, step by step; the planted mistakes change one step."""
+    heads, queries, _ = q.shape
+    block_size = k.shape[2]
+    blocks = torch.tensor(list(table[: -(-context_len // block_size)]))
+    keys = k[:, blocks].flatten(1, 2)[:, :context_len].repeat_interleave(heads // k.shape[0], 0).float()
+    values = v[:, blocks].flatten(1, 2)[:, :context_len].repeat_interleave(heads // k.shape[0], 0).float()
+    scores = q.float() @ keys.transpose(1, 2) * scale
+    query_pos = torch.arange(context_len - queries, context_len)[:, None]
+    scores = scores.masked_fill(~visible(torch.arange(context_len), query_pos), float("-inf"))
+    return (scores.softmax(softmax_dim) @ values).to(q.dtype)
+
+
+def ignores_scale(q, k, v, table, context_len, scale):
+    return paged_attention(q, k, v, table, context_len, q.shape[-1] ** -0.5)
+
+
+def sorted_blocks(q, k, v, table, context_len, scale):
+    return paged_attention(q, k, v, sorted(table), context_len, scale)
+
+
+def whole_last_block(q, k, v, table, context_len, scale):
+    return paged_attention(q, k, v, table, len(table) * k.shape[2], scale)
+
+
 def test_ex5_planted_mistakes_are_named():
     _, past = failing(5, reads_one_past)
     assert "only partly filled" in past["a decode query over a context that ends mid-block"]
@@ -455,6 +482,46 @@ def test_ex5_planted_mistakes_are_named():
     assert list(dtype) == ["bfloat16 tensors give a bfloat16 output close to float32 attention"]
     text = dtype["bfloat16 tensors give a bfloat16 output close to float32 attention"]
     assert "the query's dtype, torch.bfloat16" in text and "dtype torch.float32" in text and ".to(query.dtype)" in text
+
+
+@pytest.mark.parametrize(
+    ("planted", "named"),
+    [
+        pytest.param(ignores_scale, "scaling by 1/sqrt(D) = 0.354 in place of scale = 0.", id="scale"),
+        pytest.param(
+            functools.partial(written_out, visible=operator.lt),
+            "a causal mask that hides each query's own position",
+            id="mask-hides-its-own",
+        ),
+        pytest.param(
+            functools.partial(written_out, visible=lambda key, query: key <= query + 1),
+            "a causal mask one position late",
+            id="mask-one-late",
+        ),
+        pytest.param(not_causal, "no causal mask", id="no-mask"),
+        pytest.param(wrong_head_groups, "query head h reading KV head h % KV", id="gqa-modulo"),
+        pytest.param(sorted_blocks, "reading the blocks in sorted order", id="sorted-blocks"),
+        pytest.param(blocks_in_id_order, "reading blocks 0, 1, 2, ...", id="blocks-by-id"),
+        pytest.param(whole_last_block, "reading every slot of the last block", id="whole-last-block"),
+        pytest.param(reads_one_past, "reading context_len + 1 positions", id="one-past-the-context"),
+        pytest.param(functools.partial(written_out, softmax_dim=1), "a softmax over dim 1", id="softmax-dim"),
+    ],
+)
+def test_ex5_a_systematic_mistake_is_named_first_in_every_case_it_fails(planted, named):
+    result, _ = failing(5, planted)
+    for failure in result.failures:  # several mistakes may give the same output on one input: each is named
+        named_first = failure.hint.split(": ")[0]
+        assert failure.kind == "mismatch" and named_first.startswith("Your output is what "), failure.message()
+        assert named in named_first, failure.message()
+
+
+def test_ex5_a_mistake_that_cannot_be_replayed_is_skipped_not_blamed():
+    # The context fills its blocks exactly, so "reading context_len + 1 positions" has no slot to read: its
+    # replay is skipped, and the mistake replayed after it is still named.
+    assert check(5, written_out, quiet=True).passed  # the implementation the mistakes are planted in
+    _, messages = failing(5, functools.partial(written_out, softmax_dim=1))
+    text = messages["one decode query over whole blocks"]
+    assert "raised" not in text and "hint:     Your output is what a softmax over dim 1 (the queries) would" in text
 
 
 # ------------------------------------------------------------------ exercise 6

@@ -1,21 +1,26 @@
 """Checks for exercise 5, paged attention in torch: one request's attention, read from its blocks.
 
 Each case writes a request's keys and values into a cache of shuffled blocks, fills every other slot
-with noise (so reading a slot that is not the request's shows), and compares the learner's output with
-dense causal attention over the same keys and values, computed in float32 (one case hands the learner
-bfloat16 tensors, as a model served in bfloat16 does).
+with noise of the same size (so reading a slot that is not the request's shows, while bfloat16 rounds a
+wrong output no more than a right one), and compares the learner's output with dense causal attention over
+the same keys and values, computed in float32 (one case hands the learner bfloat16 tensors, as a model
+served in bfloat16 does). A wrong output is compared with what each classic mistake would give
+(:data:`MISTAKES`): one bug breaks several cases, and each of them then names that bug first.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing
 
 TOLERANCE = 1e-4
 #: bfloat16 keeps 8 significant bits (an output between 1 and 2 is a multiple of 1/128); labkit's own
-#: paged_attention is within 0.006 of float32 attention on the bfloat16 case.
+#: paged_attention is within 0.0025 of float32 attention on the bfloat16 case.
 BF16_TOLERANCE = 3e-2
+#: The cases' scale: far from 1/sqrt(8) = 0.354, so that an implementation which recomputes the scale fails.
+SCALE = 0.25
 
 
 def scenario(
@@ -30,8 +35,8 @@ def scenario(
     table = torch.randperm(num_blocks, generator=gen)[:used].tolist()
     keys = torch.randn(num_kv_heads, context_len, head_dim, generator=gen)
     values = torch.randn(num_kv_heads, context_len, head_dim, generator=gen)
-    key_cache = 3 * torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen)  # noise
-    value_cache = 3 * torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen)
+    key_cache = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen)  # noise
+    value_cache = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen)
     for position in range(context_len):
         block, offset = table[position // block_size], position % block_size
         key_cache[:, block, offset] = keys[:, position]
@@ -48,19 +53,177 @@ def scenario(
     )
 
 
-def dense_attention(s: dict[str, Any], scale: float) -> Any:
-    """Causal attention over the request's keys and values in position order: what paged attention must equal."""
-    import torch.nn.functional as F
+def dense_attention(
+    s: dict[str, Any],
+    scale: float,
+    *,
+    kv_head: Any = None,
+    sees: int = 0,
+    causal: bool = True,
+    softmax_dim: int = -1,
+) -> Any:
+    """Causal attention over the request's keys and values in position order: what paged attention must equal.
 
-    num_heads, num_queries, _ = s["query"].shape
-    group = num_heads // s["keys"].shape[0]
-    keys, values = s["keys"].repeat_interleave(group, 0), s["values"].repeat_interleave(group, 0)
+    The keywords exist to replay a classic mistake (:data:`MISTAKES`) on the same arithmetic; their defaults
+    are the contract: query head h reads KV head ``kv_head[h]`` = h // (H // KV), query q sees the keys up to
+    its own position plus ``sees``, and the softmax normalises over the keys.
+    """
     import torch
 
-    context = s["context_len"]
-    query_pos = torch.arange(context - num_queries, context)[:, None]
-    visible = torch.arange(context) <= query_pos
-    return F.scaled_dot_product_attention(s["query"], keys, values, attn_mask=visible, scale=scale)
+    query, keys, values = s["query"], s["keys"], s["values"]
+    num_heads, num_queries, _ = query.shape
+    if kv_head is None:
+        kv_head = torch.arange(num_heads) // (num_heads // keys.shape[0])
+    scores = query @ keys[kv_head].transpose(1, 2) * scale
+    if causal:
+        context = s["context_len"]
+        query_pos = torch.arange(context - num_queries, context)[:, None] + sees
+        scores = scores.masked_fill(torch.arange(keys.shape[1]) > query_pos, float("-inf"))
+    return scores.softmax(dim=softmax_dim) @ values[kv_head]
+
+
+def gather(s: dict[str, Any], table: Sequence[int], length: int) -> dict[str, Any]:
+    """The keys and values found by reading positions 0 .. length - 1 through ``table``, as dense ones.
+
+    A mistake in reading the cache is replayed as dense attention over what it reads. IndexError when the
+    table has no block for position length - 1: that mistake cannot be made on this input.
+    """
+    block_size = s["key_cache"].shape[2]
+    if length > len(table) * block_size:
+        raise IndexError(f"position {length - 1} is past the table's {len(table)} blocks")
+    blocks = list(table)[: -(-length // block_size)]
+    keys = s["key_cache"][:, blocks].flatten(1, 2)[:, :length]
+    return dict(keys=keys, values=s["value_cache"][:, blocks].flatten(1, 2)[:, :length], context_len=length)
+
+
+class Mistake(NamedTuple):
+    """A classic mistake, named in a hint as "your output is what <does> would give: <fix>".
+
+    ``replay(s, scale)`` is the output the mistake gives on a case's float32 inputs.
+    """
+
+    does: str
+    fix: str
+    replay: Callable[[dict[str, Any], float], Any]
+
+
+def _reading(
+    table: Callable[[Sequence[int]], Sequence[int]], length: Callable[[dict[str, Any]], int]
+) -> Callable[[dict[str, Any], float], Any]:
+    """The replay of a mistake in reading the cache: ``length(s)`` positions read through ``table(block_table)``."""
+    return lambda s, scale: dense_attention({**s, **gather(s, table(s["block_table"]), length(s))}, scale)
+
+
+def _context(s: dict[str, Any]) -> int:
+    return s["context_len"]
+
+
+def _head_dim(s: dict[str, Any]) -> int:
+    return s["query"].shape[-1]
+
+
+def _modulo_heads(s: dict[str, Any], scale: float) -> Any:
+    import torch
+
+    return dense_attention(s, scale, kv_head=torch.arange(s["query"].shape[0]) % s["keys"].shape[0])
+
+
+MISTAKES = [
+    Mistake(
+        "reading blocks 0, 1, 2, ... in place of the block table's",
+        "look each block up in block_table; the allocator hands out whichever blocks are free",
+        _reading(lambda table: range(len(table)), _context),
+    ),
+    Mistake(
+        "reading the blocks in sorted order (sorted(block_table))",
+        "read them in block_table's own order, which is token order, not block-id order",
+        _reading(sorted, _context),
+    ),
+    Mistake(
+        "reading every slot of the last block (context_len ignored)",
+        "keep the first context_len positions; the rest of the last block holds no token of this request",
+        _reading(list, lambda s: len(s["block_table"]) * s["key_cache"].shape[2]),
+    ),
+    Mistake(
+        "reading context_len + 1 positions",
+        "positions run 0 .. context_len - 1; the slot after them holds no token of this request",
+        _reading(list, lambda s: s["context_len"] + 1),
+    ),
+    Mistake(
+        "query head h reading KV head h % KV (repeat in place of repeat_interleave)",
+        "query heads share KV heads in consecutive groups, so head h uses KV head h // (H // KV)",
+        _modulo_heads,
+    ),
+    Mistake(
+        "scaling by 1/sqrt(D) = {rsqrt:.3f} in place of scale = {scale:g}",
+        "multiply by the scale argument; the model chooses it, and it need not be 1/sqrt(D)",
+        lambda s, scale: dense_attention(s, _head_dim(s) ** -0.5),
+    ),
+    Mistake(
+        "unscaled scores (q @ k^T without scale)",
+        "multiply the scores by scale before the softmax",
+        lambda s, scale: dense_attention(s, 1.0),
+    ),
+    Mistake(
+        "scaling twice, by scale and by 1/sqrt(D) (F.scaled_dot_product_attention without scale= applies 1/sqrt(D))",
+        "scale the scores once: pass scale=scale to F.scaled_dot_product_attention, or multiply by it yourself",
+        lambda s, scale: dense_attention(s, scale * _head_dim(s) ** -0.5),
+    ),
+    Mistake(
+        "a causal mask that hides each query's own position (< where <= belongs)",
+        "keep each key whose position is <= the query's: a token attends to itself too",
+        lambda s, scale: dense_attention(s, scale, sees=-1),
+    ),
+    Mistake(
+        "a causal mask one position late (each query also sees the next token's key)",
+        "keep each key whose position is <= the query's, not one more: a prefill chunk must give what decoding"
+        " one token at a time gives, when the next token does not exist yet",
+        lambda s, scale: dense_attention(s, scale, sees=1),
+    ),
+    Mistake(
+        "no causal mask",
+        "in a prefill chunk a query must not see the keys of the tokens after it; set their scores to -inf",
+        lambda s, scale: dense_attention(s, scale, causal=False),
+    ),
+    Mistake(
+        "a softmax over dim 1 (the queries)",
+        "normalise each query's scores over the keys, softmax(dim=-1)",
+        lambda s, scale: dense_attention(s, scale, softmax_dim=1),
+    ),
+    Mistake(
+        "a softmax over dim 0 (the heads)",
+        "normalise each query's scores over the keys, softmax(dim=-1)",
+        lambda s, scale: dense_attention(s, scale, softmax_dim=0),
+    ),
+]
+
+
+def diagnose(s: dict[str, Any], scale: float, got: Any, expected: Any, tolerance: float) -> str:
+    """Name the classic mistakes whose replay on this case's float32 inputs ``s`` gives the learner's output.
+
+    A replay that cannot run on these inputs (reading past the table's last block) is skipped, since an
+    error there is labkit's, not the learner's; one that gives the right answer here cannot be what broke.
+    """
+    found = []
+    for mistake in MISTAKES:
+        try:
+            would_give = mistake.replay(s, scale)
+        except IndexError:
+            continue
+        if not _close(would_give, expected, tolerance) and _close(got, would_give, tolerance):
+            found.append(mistake)
+    if not found:
+        return ""
+    does = " or ".join(m.does.format(scale=scale, rsqrt=_head_dim(s) ** -0.5) for m in found)
+    fixes = "; ".join(dict.fromkeys(m.fix for m in found))
+    return f"Your output is what {does} would give: {fixes}. "
+
+
+def _close(a: Any, b: Any, tolerance: float) -> bool:
+    """Equal within ``tolerance``, NaN where the other is NaN (a query that sees no key gets NaN)."""
+    import torch
+
+    return torch.allclose(a.float(), b.float(), rtol=0, atol=tolerance, equal_nan=True)
 
 
 def compare(
@@ -73,16 +236,20 @@ def compare(
     queries: int,
     block_size: int,
     seed: int = 0,
-    scale: float = 0.35,
+    scale: float = SCALE,
     dtype: str = "float32",
 ) -> None:
-    """Run ``fn`` on a scenario whose tensors are in ``dtype``; Mismatch unless it matches dense attention."""
+    """Run ``fn`` on a scenario whose tensors are in ``dtype``; Mismatch unless it matches dense attention.
+
+    A mismatch names first the classic mistakes that would give the learner's output (:func:`diagnose`).
+    """
     import torch
 
     s = scenario(heads, kv_heads, context, queries, block_size, seed)
     tensors = ("query", "key_cache", "value_cache", "keys", "values")
     s.update({name: s[name].to(getattr(torch, dtype)) for name in tensors})
-    expected = dense_attention({**s, **{name: s[name].float() for name in tensors}}, scale)
+    exact = {**s, **{name: s[name].float() for name in tensors}}
+    expected = dense_attention(exact, scale)
     tolerance = TOLERANCE if dtype == "float32" else BF16_TOLERANCE
     text = (
         f"query (H={heads}, Q={queries}, D=8); key_cache/value_cache (KV={kv_heads}, blocks={s['key_cache'].shape[1]},"
@@ -108,7 +275,7 @@ def compare(
             f"dense causal attention (float32), within {tolerance:g}: output[{head}, {row}, :4] ="
             f" {_row(expected[head, row])}",
             f"output[{head}, {row}, :4] = {_row(got[head, row])}  (largest difference {error.max().item():.3g})",
-            hint,
+            diagnose(exact, scale, got, expected, tolerance) + hint,
         )
 
 

@@ -39,7 +39,10 @@ class MyBlockAllocator(BlockAllocator):
 
         Remove the request from ``self.block_tables`` and ``self.num_slots``; decrement the reference count of
         each of its blocks, and append a block whose count reaches 0 to the *end* of ``self.free_blocks``
-        (with a "free" event). Another request may still share a block: then it stays in use.
+        (with a "free" event), in table order. The queue is first in, first out, as in vLLM: a block freed
+        now is handed out after every block already free, so the freshest keys and values, which a later
+        request may still hit with prefix caching, are overwritten last. Another request may still share a
+        block: then it stays in use.
         Freeing a request that owns nothing (unknown, or already freed) raises KeyError.
         """
         raise NotImplementedError("Exercise 1")

@@ -54,8 +54,10 @@ class MyPrefixCache(PrefixCache):
           self.block_size``, never the last token, which the model must compute to sample the next one.
           If it is 0, return no blocks with ``miss="short"``;
         * walk the digests ``self.hashes(request, num_query_blocks)`` in order and look each up in
-          ``self.index``. An entry is a hit only if its ``parent`` and ``token_ids`` are the request's own
-          (a digest can collide) and its ``block_id`` is not in ``self.stale``; collect the hits' block ids;
+          ``self.index``. A digest can collide, so an entry is a hit only if its ``token_ids`` are the block's
+          own tokens, its ``parent`` is the digest of the request's previous block (None for its first: the
+          same tokens after another prefix have other keys and values) and its ``block_id`` is not in
+          ``self.stale``; collect the hits' block ids;
         * stop at the first miss, with ``miss="evicted"`` if its digest is in ``self.evicted`` (or its entry's
           block is stale), otherwise ``"new"``; ``miss=None`` when every block that could be served hit.
         """

@@ -152,6 +152,41 @@ def test_ex1_planted_mistakes_are_named():
     assert "the allocator's current self.step" in text
 
 
+class FreesToTheFront(BlockAllocator):
+    """Puts each released block back at the front of the free queue (appendleft): reused first, not last."""
+
+    in_order = False  # True: the released blocks go to the front in table order, else each one ahead of the last
+
+    def free(self, request_id):
+        table = self.block_tables.pop(request_id)
+        del self.num_slots[request_id]
+        released = []
+        for block in table:
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                released.append(block)
+                self.events.append(BlockEvent("free", block, request_id, self.step))
+        self.free_blocks.extendleft(reversed(released) if self.in_order else released)
+        return released
+
+
+class FreesToTheFrontInOrder(FreesToTheFront):
+    in_order = True
+
+
+@pytest.mark.parametrize("planted", [FreesToTheFront, FreesToTheFrontInOrder])
+def test_ex1_a_free_to_the_front_of_the_queue_is_named_by_the_queues_order(planted):
+    _, messages = failing(1, planted)
+    order = "a block freed now is handed out after every block already free"
+    assert order in messages
+    text = messages[order]
+    assert "free('a')" in text and "free queue: [2, 3, 0, 1]" in text
+    assert "first in, first out" in text and "append, not appendleft" in text
+    assert "free of a request that owns nothing raises KeyError" not in messages
+    for message in messages.values():  # every case it fails names the queue's order, none another mistake
+        assert "first in, first out" in message, message
+
+
 # ------------------------------------------------------------------ exercise 2
 def slots_from_zero(segments, block_size, scratch):
     return slot_mapping([s._replace(start=0) for s in segments], block_size, scratch)
@@ -617,6 +652,29 @@ def test_ex6_planted_mistakes_are_named():
     assert "walk the kept tokens in decreasing probability" in vocabulary["random rows draw like labkit's sampler"]
 
 
+class TopPKeepsTheTie(RowByRow):
+    """Drops a token only once the mass before it exceeds top_p (> where the contract says >=)."""
+
+    def nucleus(self, probs, order, keep, top_p):
+        total = sum(float(probs[t]) for t in keep)
+        kept, before = set(), 0.0
+        for token in (t for t in order if t in keep):
+            if before <= top_p:
+                kept.add(token)
+            before += float(probs[token]) / total
+        return kept
+
+
+def test_ex6_top_p_at_an_exact_tie_is_named():
+    _, messages = failing(6, TopPKeepsTheTie)
+    name = "a nucleus whose mass equals top_p exactly keeps no further token"
+    assert list(messages) == [name]
+    text = messages[name]
+    assert "expected: 2 of the 4 tokens drawn, shares [0.5, 0.5]" in text
+    assert "got:      3 of the 4 tokens drawn" in text
+    assert "mass before the third token is exactly 0.5" in text and ">= top_p, not >" in text
+
+
 # ------------------------------------------------------------------ exercise 7
 class LearnerStatic(Scheduler):
     """form_static_batch written from the contract; the subclasses below plant one mistake each."""
@@ -777,6 +835,13 @@ class NoBlocksIsNone(PrefixCache):
         return found if found.blocks else found._replace(blocks=None)
 
 
+class IgnoresTheParent(PrefixCache):
+    """Confirms a hit against the entry's token ids only, not its parent digest."""
+
+    def match(self, request):
+        return _lookup(self, request)
+
+
 def test_ex8_blocks_may_be_any_sequence_and_a_wrong_one_shows_itself():
     assert check(8, TupleBlocks, quiet=True).passed  # the allocator takes any sequence of block ids
     _, messages = failing(8, NoBlocksIsNone)
@@ -800,6 +865,17 @@ def test_ex8_planted_mistakes_are_named():
     assert "return at the first miss" in messages["match stops at the first block that misses"]
     _, messages = failing(8, EveryMissIsNew)
     assert "miss='evicted'" in messages["a miss says why: short, evicted or new"]
+
+
+def test_ex8_a_hit_confirmed_without_its_parent_is_named():
+    _, messages = failing(8, IgnoresTheParent)
+    name = "a hit is confirmed against the parent digest: the same tokens after another prefix miss"
+    assert list(messages) == [name]
+    text = messages[name]
+    assert "block 63 holds [14, 15, 16, 17] after [1, 2, 3, 4]" in text
+    assert "expected: PrefixMatch(blocks=[0], num_query_tokens=13, num_query_blocks=3, miss='new')" in text
+    assert "got:      PrefixMatch(blocks=[0, 63, 2]," in text
+    assert "depend on every token before it" in text and "entry.parent" in text
 
 
 def test_ex8_the_learners_cache_plugged_into_the_engine_gives_labkits_tokens(bundled):

@@ -74,6 +74,29 @@ def distribution_case(name: str, hint: str, probs: list[float], temperature: flo
     return Case(name, run, hint)
 
 
+def _top_p_tie(cls: Any) -> None:
+    """Four equal logits with top_p = 0.5: how many tokens the nucleus keeps when its mass meets top_p exactly.
+
+    Each probability is exactly 0.25 in any float precision, so the mass before the third token is exactly
+    top_p, where ``>=`` and ``>`` part; which of the equal tokens stay is the sort's choice, so only how many
+    are drawn, and how often, is compared.
+    """
+    from labkit.runtime.sampling import Sampler
+
+    vocab, top_p = 4, 0.5
+    text = (
+        f"logits = [0.0] * {vocab} (softmax = exactly 0.25 each)\n"
+        f"temperature=1.0, top_k=0, top_p={top_p}; uniform swept over {len(GRID)} values in (0, 1)"
+    )
+    showing(text)
+    batch = [[0.0] * vocab] * len(GRID), [(1.0, 0, top_p)] * len(GRID), GRID
+    expected = sorted(_shares(_draw(Sampler(), *batch)).values())
+    got = sorted(_shares(_draw(cls(), *batch)).values())
+    if got != expected:
+        want = f"{len(expected)} of the {vocab} tokens drawn, shares {expected}"
+        raise Mismatch(text, want, f"{len(got)} of the {vocab} tokens drawn, shares {got}", TOP_P_TIE_HINT)
+
+
 def _batch_invariance(cls: Any) -> None:
     rows = [
         ([0.0, 1.0, 2.0, 0.5, -1.0], (0.7, 0, 1.0), 0.3),
@@ -131,6 +154,11 @@ TOP_P_HINT = (
     "sort by probability and keep the smallest prefix whose mass reaches top_p: a token is dropped when the"
     " mass before it is already >= top_p (the most likely token always stays)"
 )
+TOP_P_TIE_HINT = (
+    "the mass before the third token is exactly 0.5 == top_p: the first two already reach top_p, so the third is"
+    " dropped. Drop a token when the mass before it is >= top_p, not > (which of the equally likely tokens"
+    " stay does not matter here)"
+)
 CDF_HINT = (
     "walk the kept tokens in order of decreasing probability, not in vocabulary order: sort the probabilities"
     " descending (keeping the token ids, e.g. torch.sort's indices), cumsum them and take the first token whose"
@@ -165,6 +193,7 @@ CASES = [
     distribution_case("top_k keeps the k most likely tokens", TOP_K_HINT, [0.1, 0.4, 0.2, 0.3], 1.0, 2, 1.0),
     distribution_case("top_p keeps the smallest nucleus that reaches top_p", TOP_P_HINT, PROBS, 1.0, 0, 0.75),
     distribution_case("top_p always keeps the most likely token", TOP_P_HINT, PROBS, 1.0, 0, 0.01),
+    Case("a nucleus whose mass equals top_p exactly keeps no further token", _top_p_tie, TOP_P_TIE_HINT),
     distribution_case(
         "top_k, then top_p on the renormalised rest",
         "apply top_k first, renormalise what is left, then top_p on that: here top_k=2 leaves 0.4 and 0.3,"

@@ -20,7 +20,7 @@ from labkit.exercises.engine_runs import run_in_lockstep, step_text
 from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing
 
 BLOCK_SIZE = 4
-# ("cache", prompt), ("evict", n), ("stale", prompt, index), ("collide", prompt, index) or ("match", prompt)
+# ("cache", prompt), ("evict", n), ("stale", prompt, index), ("collide", prompt, index[, after]) or ("match", prompt)
 Op = tuple[Any, ...]
 
 
@@ -94,14 +94,19 @@ def _replay(cls: Any, ops: list[Op], name: str) -> tuple[list[PrefixMatch], list
             prompt, index = args
             cache.stale.add(block_of[tuple(prompt[: (index + 1) * BLOCK_SIZE])])
             text.append(f"# the cached block of {prompt[: (index + 1) * BLOCK_SIZE]} is stale (cache.stale)")
-        elif kind == "collide":  # another prefix's entry under this digest: a hash collision
-            prompt, index = args
+        elif kind == "collide":  # another block's entry under this digest: a hash collision
+            prompt, index, *after = args
             digests = cache.hashes(_request(prompt), index + 1)
-            parent = digests[index - 1] if index else None
-            wrong = tuple(t + 1 for t in prompt[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE])
-            cache.index[digests[index]] = CachedBlock(63, parent, wrong)
+            own = tuple(prompt[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE])
+            if after:  # the same tokens after another prefix of ``index`` blocks
+                parent, tokens = cache.hashes(_request(after[0]), index)[-1], own
+                holds = f"{list(tokens)} after {after[0]}"
+            else:  # other tokens after the same prefix
+                parent, tokens = digests[index - 1] if index else None, tuple(t + 1 for t in own)
+                holds = str(list(tokens))
+            cache.index[digests[index]] = CachedBlock(63, parent, tokens)
             cache.digest_of[63] = digests[index]
-            text.append(f"# a collision: block 63 holds {list(wrong)} under the digest of block {index} of {prompt}")
+            text.append(f"# a collision: block 63 holds {holds} under the digest of block {index} of {prompt}")
         else:
             (prompt,) = args
             text.append(f"cache.match(request with tokens {prompt})")
@@ -154,6 +159,12 @@ _REASON_HINT = (
     "the reason of the first miss: 'short' when no full block could be served, 'evicted' when the digest is in"
     " self.evicted (it was cached once), otherwise 'new'; None when every block that could be served hit"
 )
+_PARENT_HINT = (
+    "an entry with the request's token ids but another parent holds those tokens after a different prefix, and"
+    " a block's keys and values depend on every token before it (which is why block_hash chains the parent):"
+    " a hit needs entry.parent == the digest of the request's previous block (None for its first block) as well"
+    " as entry.token_ids == its tokens; otherwise it is a miss, reason 'new'"
+)
 _STALE_HINT = (
     "a block in self.stale may hold another request's keys and values (a failed step wrote there): treat its"
     " entry as a miss, reason 'evicted'"
@@ -189,6 +200,11 @@ CASES = [
         "a hit is confirmed against the token ids",
         [("cache", A), ("collide", A, 1), ("match", [*A, 99])],
         _CONFIRM_HINT,
+    ),
+    _lookup_case(
+        "a hit is confirmed against the parent digest: the same tokens after another prefix miss",
+        [("cache", A), ("collide", A, 1, [1, 2, 3, 4]), ("match", [*A, 99])],
+        _PARENT_HINT,
     ),
     _lookup_case(
         "a miss says why: short, evicted or new",

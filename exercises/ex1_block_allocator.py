@@ -21,11 +21,15 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from labkit.core.blocks import BlockAllocator, BlockEvent, NoFreeBlocksError  # noqa: F401 (you will need them)
+from labkit.core.prefix_cache import PrefixMatch
 
 
 class MyBlockAllocator(BlockAllocator):
-    def allocate(self, request_id: Hashable, num_tokens: int) -> list[int]:
+    def allocate(self, request_id: Hashable, num_tokens: int, prefix: PrefixMatch | None = None) -> list[int]:
         """Grow ``request_id``'s block table to cover ``num_tokens`` tokens; return the new blocks.
+
+        ``prefix`` is for prefix caching (notebook 09, exercise 8): the engine passes None while it is off, as
+        here, so leave it be; it is in the signature because the engine's scheduler passes it.
 
         Take ``self.blocks_needed(request_id, num_tokens)`` blocks from the *front* of ``self.free_blocks``,
         give each reference count 1 and an "alloc" event, append them to the request's block table (creating

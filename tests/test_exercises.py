@@ -187,6 +187,21 @@ def test_ex1_a_free_to_the_front_of_the_queue_is_named_by_the_queues_order(plant
         assert "first in, first out" in message, message
 
 
+class TwoArgumentAllocate(BlockAllocator):
+    """Right in every direct call, but declares allocate(request_id, num_tokens) without the engine's prefix."""
+
+    def allocate(self, request_id, num_tokens):
+        return super().allocate(request_id, num_tokens)
+
+
+def test_ex1_an_allocator_that_the_engine_cannot_call_is_named_by_the_engine_case():
+    _, messages = failing(1, TwoArgumentAllocate)
+    engine = "inside the engine, the allocator serves requests through preemptions and gets every block back"
+    assert list(messages) == [engine]
+    assert "takes 3 positional arguments but 4 were given" in messages[engine]
+    assert "allocate(request_id, num_tokens, prefix)" in messages[engine]
+
+
 # ------------------------------------------------------------------ exercise 2
 def slots_from_zero(segments, block_size, scratch):
     return slot_mapping([s._replace(start=0) for s in segments], block_size, scratch)

@@ -119,6 +119,73 @@ def _strategy() -> Any:
     return st.tuples(st.integers(1, 8), st.integers(1, 4), st.lists(op, max_size=12))
 
 
+ENGINE_HINT = (
+    "the engine's scheduler calls allocate(request_id, num_tokens, prefix) with prefix=None (a match from the"
+    " prefix cache only when prefix caching is on), blocks_needed and can_allocate before it, and free when a"
+    " request finishes or is preempted: keep the stub's signatures, and leave num_slots and the block tables"
+    " as allocate and free describe"
+)
+
+
+ENGINE_STEPS = 200  # labkit's allocator serves the case's requests in 27 steps
+
+
+def serves_in_the_engine(cls: Any) -> None:
+    """Serve a few requests on the simulated model with ``cls`` and with labkit's allocator; compare the outcome.
+
+    The replayed cases call allocate and free directly; this one lets labkit's scheduler call them as a real
+    step does, in a cache small enough that requests are preempted and recomputed.
+    """
+    from labkit.core.config import EngineConfig
+    from labkit.core.engine import Engine
+    from labkit.core.request import SamplingParams
+    from labkit.core.sim import SimulatedModel
+
+    config = EngineConfig(block_size=4, num_blocks=10, max_batch_tokens=32, max_num_seqs=4)
+    prompts = [[2 + (5 * i + j) % 50 for j in range(3 + 2 * i)] for i in range(6)]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    setup = (
+        f"Engine(SimulatedModel(), EngineConfig(block_size=4, num_blocks=10, max_batch_tokens=32, max_num_seqs=4),"
+        f" allocator_cls={getattr(cls, '__name__', 'allocator')})\n"
+        f"engine.generate({len(prompts)} prompts of {', '.join(str(len(p)) for p in prompts)} tokens,"
+        " max_new_tokens=10)"
+    )
+    showing(setup)
+    reference = Engine(SimulatedModel(), config)
+    want = [(o.output_token_ids, o.metrics.num_preemptions) for o in reference.generate(prompts, params)]
+    engine = Engine(SimulatedModel(), config, allocator_cls=cls)
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    for _ in range(ENGINE_STEPS):  # an allocator that loses blocks can leave a request waiting for ever
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    else:
+        raise Mismatch(
+            setup,
+            "every request finished",
+            f"{sum(engine.output(i).finish_reason is None for i in ids)} of {len(ids)} requests unfinished after"
+            f" {ENGINE_STEPS} steps, with {engine.num_free_blocks} of {engine.num_blocks} blocks free",
+            "a request waits until enough blocks are free: free must give every block of a finished or"
+            " preempted request back, or the cache runs dry",
+        )
+    got = [(engine.output(i).output_token_ids, engine.output(i).metrics.num_preemptions) for i in ids]
+    if got != want:
+        first = next(i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b)
+        raise Mismatch(
+            setup,
+            f"request {first}: tokens {want[first][0]}, preempted {want[first][1]} times",
+            f"request {first}: tokens {got[first][0]}, preempted {got[first][1]} times",
+            ENGINE_HINT,
+        )
+    if engine.num_free_blocks != engine.num_blocks:
+        raise Mismatch(
+            setup,
+            f"after the run, all {engine.num_blocks} blocks free",
+            f"{engine.num_free_blocks} of {engine.num_blocks} blocks free",
+            "free must give every block of a finished or preempted request back to the free queue",
+        )
+
+
 CASES = [
     _ops_case(
         "allocate takes new blocks from the front of the free queue",
@@ -188,6 +255,11 @@ CASES = [
         "random allocate/free/append_slot sequences behave like labkit's allocator",
         _strategy,
         _property,
+    ),
+    Case(
+        "inside the engine, the allocator serves requests through preemptions and gets every block back",
+        serves_in_the_engine,
+        ENGINE_HINT,
     ),
 ]
 

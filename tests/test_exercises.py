@@ -202,6 +202,12 @@ def test_ex1_an_allocator_that_the_engine_cannot_call_is_named_by_the_engine_cas
     assert "allocate(request_id, num_tokens, prefix)" in messages[engine]
 
 
+def test_ex1_a_leaky_free_inside_the_engine_is_stopped_and_named():
+    _, messages = failing(1, LeakyFree)
+    text = messages["inside the engine, the allocator serves requests through preemptions and gets every block back"]
+    assert "requests unfinished after 400 steps" in text and "or the cache runs dry" in text
+
+
 # ------------------------------------------------------------------ exercise 2
 def slots_from_zero(segments, block_size, scratch):
     return slot_mapping([s._replace(start=0) for s in segments], block_size, scratch)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from labkit.core.blocks import BlockAllocator, NoFreeBlocksError
+from labkit.exercises.engine_runs import MAX_STEPS
 from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing
 
 # ("allocate", request, num_tokens), ("free", request), ("append_slot", request), ("share", ...), ("step", n)
@@ -127,9 +128,6 @@ ENGINE_HINT = (
 )
 
 
-ENGINE_STEPS = 200  # labkit's allocator serves the case's requests in 27 steps
-
-
 def serves_in_the_engine(cls: Any) -> None:
     """Serve a few requests on the simulated model with ``cls`` and with labkit's allocator; compare the outcome.
 
@@ -141,30 +139,31 @@ def serves_in_the_engine(cls: Any) -> None:
     from labkit.core.request import SamplingParams
     from labkit.core.sim import SimulatedModel
 
-    config = EngineConfig(block_size=4, num_blocks=10, max_batch_tokens=32, max_num_seqs=4)
+    knobs = {"block_size": 4, "num_blocks": 10, "max_batch_tokens": 32, "max_num_seqs": 4}
+    config = EngineConfig(**knobs)
     prompts = [[2 + (5 * i + j) % 50 for j in range(3 + 2 * i)] for i in range(6)]
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     setup = (
-        f"Engine(SimulatedModel(), EngineConfig(block_size=4, num_blocks=10, max_batch_tokens=32, max_num_seqs=4),"
+        f"Engine(SimulatedModel(), EngineConfig({', '.join(f'{k}={v}' for k, v in knobs.items())}),"
         f" allocator_cls={getattr(cls, '__name__', 'allocator')})\n"
         f"engine.generate({len(prompts)} prompts of {', '.join(str(len(p)) for p in prompts)} tokens,"
-        " max_new_tokens=10)"
+        f" max_new_tokens={params.max_new_tokens})"
     )
     showing(setup)
     reference = Engine(SimulatedModel(), config)
     want = [(o.output_token_ids, o.metrics.num_preemptions) for o in reference.generate(prompts, params)]
     engine = Engine(SimulatedModel(), config, allocator_cls=cls)
     ids = [engine.add_request(prompt, params) for prompt in prompts]
-    for _ in range(ENGINE_STEPS):  # an allocator that loses blocks can leave a request waiting for ever
-        if not engine.has_unfinished():
-            break
+    steps = 0  # labkit's allocator takes 26; one that loses blocks can leave a request waiting for ever
+    while engine.has_unfinished() and steps < MAX_STEPS:
         engine.step()
-    else:
+        steps += 1
+    if engine.has_unfinished():
         raise Mismatch(
             setup,
             "every request finished",
             f"{sum(engine.output(i).finish_reason is None for i in ids)} of {len(ids)} requests unfinished after"
-            f" {ENGINE_STEPS} steps, with {engine.num_free_blocks} of {engine.num_blocks} blocks free",
+            f" {MAX_STEPS} steps, with {engine.num_free_blocks} of {engine.num_blocks} blocks free",
             "a request waits until enough blocks are free: free must give every block of a finished or"
             " preempted request back, or the cache runs dry",
         )

@@ -315,7 +315,7 @@ def _property(fn: Any, example: Any) -> None:
 
 CONTEXT_HINT = (
     "read exactly the first context_len positions: the request's last block is only partly filled, and"
-    " the slots after position context_len - 1 hold someone else's data"
+    " the slots after position context_len - 1 are not written yet and hold stale keys from an earlier owner"
 )
 CASES = [
     _case(

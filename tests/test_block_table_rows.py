@@ -45,7 +45,7 @@ def test_rows_equal_a_fresh_conversion_after_every_change(steps: list[list[tuple
         segments = [Segment(0, BLOCK_SIZE * len(tables[i]) - i % BLOCK_SIZE, tables[i]) for i in chosen]
         contexts = [segment.num_tokens for segment in segments]
         expected, expected_width = padded_block_tables(segments, contexts, BLOCK_SIZE)
-        got, width = rows.padded(segments, contexts, BLOCK_SIZE)
+        got, width = rows.padded([segment.block_table for segment in segments], contexts, BLOCK_SIZE)
         assert width == expected_width
         assert array("i", bytes(got)).tolist() == expected
 
@@ -55,6 +55,6 @@ def test_rows_of_tables_that_left_are_dropped() -> None:
     kept = [[1, 2]]
     for step in range(200):  # a new request every step, one that stays
         fresh = [step]
-        rows.padded([Segment(0, 8, kept[0]), Segment(0, 4, fresh)], [8, 4], BLOCK_SIZE)
+        rows.padded([kept[0], fresh], [8, 4], BLOCK_SIZE)
     assert len(rows.rows) <= 2 * 2 + 64
     assert id(kept[0]) in rows.rows

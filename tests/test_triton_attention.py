@@ -273,6 +273,31 @@ def test_engine_triton_backend_matches_torch_and_graph_replays() -> None:
     assert tokens == expected and preemptions > 0
 
 
+def test_graph_steps_with_static_padding_and_one_token_prompt_chunks_match_torch() -> None:
+    """Decode graphs also serve steps whose rows are not all sampling decodes: a static batch's finished members
+    (padding rows that store nothing) and, with a budget of one token beyond three decodes, a prompt fed one
+    token a step, whose rows sample nothing until its last one."""
+    model = random_model("qwen2", "tiny", num_hidden_layers=1)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 1024) for _ in range(n)] for n in (2, 2, 2, 9, 7, 8)]
+    wanted = [14, 14, 14, 5, 3, 6]
+    for policy, options in (("static", {}), ("continuous", {"max_batch_tokens": 4, "chunked_prefill": True})):
+        config = {"policy": policy, "block_size": 8, "max_num_seqs": 4, "device": "cpu", **options}
+        params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in wanted]
+        expected = Engine(model, EngineConfig(attention_backend="torch", **config)).generate(prompts, params)
+        engine = Engine(model, EngineConfig(attention_backend="triton", use_cuda_graph=True, **config))
+        reports: list = []
+        engine.step_listeners.append(reports.append)
+        got = engine.generate(prompts, params)
+        assert [o.output_token_ids for o in got] == [o.output_token_ids for o in expected], policy
+        graph_steps = [r for r in reports if r.scheduled and all(w.num_tokens == 1 for w in r.scheduled + r.padding)]
+        assert engine.runner.graphs.num_replays == len(graph_steps) > 0
+        if policy == "static":
+            assert any(r.padding for r in graph_steps)
+        else:
+            assert any(w.is_prefill and w.token is None for r in graph_steps for w in r.scheduled)
+
+
 def test_engine_with_split_decodes_generates_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every decode step split in 4, graphs on: the same greedy tokens as the torch path."""
     model = random_model("qwen2", "tiny", num_hidden_layers=1)

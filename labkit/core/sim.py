@@ -47,12 +47,12 @@ class CostModel:
 # ~1 GFLOP per token at a few hundred TFLOP/s, ~12 KB of KV per token read at ~4.8 TB/s.
 # "h200-graphs": the same GPU with decode steps replayed as CUDA graphs, so the launch overhead is gone and the
 # base is the weights' read (~1 GB at ~4.8 TB/s, with the kernels' tails); left is the engine's Python, as
-# benchmarks/host_bench.py measures it on a 2-core server CPU (65 us a step and 5.6 us a request, graphs on).
+# benchmarks/host_bench.py measures it on a 2-core server CPU (65 us a step and 5.1 us a request, graphs on).
 COST_PRESETS: dict[str, CostModel] = {
     "cpu": CostModel("cpu", base=0.1, per_token=0.01, per_kv_token=1.2e-6),
     "h200": CostModel("h200", base=0.004, per_token=2.5e-6, per_kv_token=2.5e-9),
     "h200-graphs": CostModel(
-        "h200-graphs", base=3e-4, per_token=2.5e-6, per_kv_token=2.5e-9, host_base=6.5e-5, host_per_request=5.6e-6
+        "h200-graphs", base=3e-4, per_token=2.5e-6, per_kv_token=2.5e-9, host_base=6.5e-5, host_per_request=5.1e-6
     ),
 }
 

@@ -451,26 +451,29 @@ class BlockTableRows:
     def __init__(self) -> None:
         self.rows: dict[int, tuple[list[int], bytes]] = {}  # id(table) -> (copy of the table, its int32 row)
 
-    def padded(self, segments: Sequence[Segment], contexts: Sequence[int], block_size: int) -> tuple[bytearray, int]:
-        """Each segment's context blocks as int32 rows, padded with block 0 to the longest one; and that width.
+    def padded(
+        self, tables: Sequence[Sequence[int]], contexts: Sequence[int], block_size: int
+    ) -> tuple[bytearray, int]:
+        """Each table's context blocks as int32 rows, padded with block 0 to the longest one; and that width.
 
-        The same rows as :func:`padded_block_tables`, as bytes.
+        The same rows as :func:`padded_block_tables`, as bytes (``tables``: the segments' block tables).
         """
         width = table_width(contexts, block_size)
         rows = self.rows
-        if len(rows) > 2 * len(segments) + 64:  # tables of requests that left: keep this step's only
-            live = {id(segment.block_table) for segment in segments}
+        if len(rows) > 2 * len(tables) + 64:  # tables of requests that left: keep this step's only
+            live = {id(table) for table in tables}
             self.rows = rows = {key: row for key, row in rows.items() if key in live}
         padding = bytes(4 * width)
         flat = bytearray()
-        for segment, context in zip(segments, contexts, strict=True):
-            table = segment.block_table
+        for table, context in zip(tables, contexts, strict=True):
             known = rows.get(id(table))
             if known is None or known[0] != table:
                 known = rows[id(table)] = (list(table), array("i", table).tobytes())
             used = 4 * -(-context // block_size)
-            flat += known[1][:used]
-            flat += padding[used:]
+            # A decode's table covers exactly its context: the whole row, with no slicing.
+            flat += known[1] if used == len(known[1]) else known[1][:used]
+            if used < len(padding):
+                flat += padding[used:]
         return flat, width
 
 

@@ -31,11 +31,13 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping
 
 import torch
 
-from labkit.runtime.attention import BlockTableRows, PagedKVCache, Segment, context_length, slot_mapping
+from labkit.core.request import PENDING_TOKEN, Request
+from labkit.core.scheduler import SchedulerOutput
+from labkit.runtime.attention import BlockTableRows, PagedKVCache, long_tensor
 from labkit.runtime.sampling import feed_back_samples
 from labkit.runtime.triton_attention import TritonBatch
 
@@ -117,47 +119,76 @@ class DecodeGraphs:
             self.outputs[size] = self.forward(ids, batch, 0)
         self.graphs[size] = graph
 
-    def can_run(self, segments: Sequence[Segment], block_size: int) -> bool:
-        """A decode-only step (one token per segment) that fits a bucket and the block-table width."""
-        if len(segments) > self.max_batch:
+    def can_run(self, output: SchedulerOutput) -> bool:
+        """A decode-only step (one token per chunk, padding included) that fits a bucket and the block-table width."""
+        chunks, padding = output.chunks, output.padding
+        if not chunks or len(chunks) + len(padding) > self.max_batch:
             return False
-        longest = 0
-        for segment in segments:
-            if segment.num_tokens != 1:
-                return False
-            longest = max(longest, segment.start + 1)
-        return -(-longest // block_size) <= self.width
+        if any(chunk.num_tokens != 1 for chunk in chunks) or any(chunk.num_tokens != 1 for chunk in padding):
+            return False
+        longest = max(chunk.start for chunk in chunks) + 1
+        return -(-longest // self.cache.block_size) <= self.width
 
     def run(
-        self, token_ids: list[int], segments: Sequence[Segment], fed_back: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Copy the step into the static buffers, replay its bucket's graph; return (len(segments), vocab) logits.
+        self,
+        output: SchedulerOutput,
+        tables: Mapping[Hashable, list[int]],
+        previous_rows: Mapping[Hashable, int] | None = None,
+        previous_samples: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[Request]]:
+        """Copy a decode step into the static buffers and replay its bucket's graph.
 
-        Two host-to-device copies: the header (4 x max_batch ints) and the used corner of the block tables.
-        ``fed_back`` holds the previous step's samples, which token ids ``-1 - i`` name (async scheduling).
+        Returns the logits of the rows that sample, (n, vocab), and whose they are. One pass over the chunks
+        builds every input, as slot_mapping and context_length would: a row at position ``p`` writes slot
+        ``table[p // block_size] * block_size + p % block_size`` and attends to ``p + 1`` keys; a static
+        batch's padding row (a finished member) stores nothing and attends to its cached ``p`` keys. Async
+        scheduling: a PENDING_TOKEN input is the token the previous step sampled in row
+        ``previous_rows[request_id]`` of ``previous_samples``, still on the device; it is named ``-1 - row``
+        and gathered there. Two host-to-device copies: the header (4 x max_batch ints) and the used corner
+        of the block tables.
         """
-        n = len(segments)
+        chunks, padding = output.chunks, output.padding
+        n = len(chunks) + len(padding)
         size = self.buckets[bisect_left(self.buckets, n)]
         block_size = self.cache.block_size
-        positions = [segment.start for segment in segments]
-        seq_lens = [context_length(segment) for segment in segments]
-        slots = slot_mapping(segments, block_size, scratch_slot=-1)  # -1: a static batch's padding row
-        flat_tables, width = self.table_rows.padded(segments, seq_lens, block_size)
-        # Every row of the bucket is rewritten; padded rows get token 0 at position 0, no slot, no context.
-        pad = [0] * (size - n)
-        rows = array("i", token_ids)
-        rows.extend(pad)
-        for values, fill in ((positions, 0), (slots, -1), (seq_lens, 0)):
-            rows.extend(values)
-            rows.extend([fill] * len(pad))
+        ids, positions, slots, seq_lens = array("i"), array("i"), array("i"), array("i")
+        rows: list[list[int]] = []
+        sample_rows, sampling = [], []
+        fed_back = None
+        for chunk in chunks:
+            request, start = chunk.request, chunk.start
+            table = tables[request.request_id]
+            token = request.token_at(start)
+            if token == PENDING_TOKEN:
+                token = -1 - previous_rows[request.request_id]
+                fed_back = previous_samples
+            if chunk.samples:  # all but a long prompt's one-token chunk that does not reach its end
+                sample_rows.append(len(ids))
+                sampling.append(request)
+            ids.append(token)
+            positions.append(start)
+            slots.append(table[start // block_size] * block_size + start % block_size)
+            seq_lens.append(start + 1)
+            rows.append(table)
+        for chunk in padding:
+            table = tables[chunk.request.request_id]
+            ids.append(0)
+            positions.append(chunk.start)
+            slots.append(-1)
+            seq_lens.append(chunk.start)
+            rows.append(table)
+        flat_tables, width = self.table_rows.padded(rows, seq_lens, block_size)
+        # Every row of the bucket is rewritten; a bucket's padded rows get token 0 at position 0, no slot, no context.
+        zeros, no_slots = array("i", bytes(4 * (size - n))), array("i", [-1]) * (size - n)
+        header = ids + zeros + positions + zeros + slots + no_slots + seq_lens + zeros
         if self.copied is not None:  # the pinned buffers are reused: the previous step's copy must have read them
             self.copied.synchronize()
-        header = self.host_header.view(4, self.max_batch)[:, :size]
-        header.copy_(torch.frombuffer(rows, dtype=torch.int32).view(4, size))
-        tables = self.host_tables[: n * width].view(n, width)
-        tables.copy_(torch.frombuffer(flat_tables, dtype=torch.int32).view(n, width))
+        host_header = self.host_header.view(4, self.max_batch)[:, :size]
+        host_header.copy_(torch.frombuffer(header, dtype=torch.int32).view(4, size))
+        host_tables = self.host_tables[: n * width].view(n, width)
+        host_tables.copy_(torch.frombuffer(flat_tables, dtype=torch.int32).view(n, width))
         self.header.copy_(self.host_header, non_blocking=True)
-        self.block_tables[:n, :width].copy_(tables, non_blocking=True)
+        self.block_tables[:n, :width].copy_(host_tables, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
         if fed_back is not None:
@@ -166,6 +197,9 @@ class DecodeGraphs:
         if self.captured:
             self.graphs[size].replay()
         else:
-            ids, batch = self._inputs(size)
-            self.outputs[size] = self.forward(ids, batch, 0)
-        return self.outputs[size][:n]
+            input_ids, batch = self._inputs(size)
+            self.outputs[size] = self.forward(input_ids, batch, 0)
+        logits = self.outputs[size]
+        if len(sample_rows) == len(chunks):  # every chunk samples: the first rows, as they are
+            return logits[: len(chunks)], sampling
+        return logits[long_tensor(sample_rows, logits.device)], sampling

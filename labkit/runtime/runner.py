@@ -192,13 +192,32 @@ class ModelRunner:
         if self.cache is None:
             raise RuntimeError("init_cache must be called before a step runs")
         tables = allocator.block_tables
-        token_ids: list[int] = []
-        segments = []
-        sample_rows, sampling_requests = [], []
         rows_before, samples_before = None, None
         if previous is not None:
             rows_before = {r.request_id: i for i, r in enumerate(previous.requests)}
             samples_before = previous.samples
+        with self._on_device():
+            if self.graphs is not None and self.graphs.can_run(output):
+                logits, sampling_requests = self.graphs.run(output, tables, rows_before, samples_before)
+            else:
+                logits, sampling_requests = self._eager_logits(output, tables, rows_before, samples_before)
+            params = [r.params for r in sampling_requests]
+            indices = [len(r.output_token_ids) for r in sampling_requests]
+            if isinstance(self.sampler, Sampler):
+                return self.sampler.sample(logits, params, indices), sampling_requests
+            return self.sampler(logits, params, indices), sampling_requests
+
+    def _eager_logits(
+        self,
+        output: SchedulerOutput,
+        tables: dict[Any, list[int]],
+        rows_before: dict[Any, int] | None,
+        samples_before: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, list[Request]]:
+        """Pack the step's chunks into one row and run the model on it; the sampling rows' logits, and whose."""
+        token_ids: list[int] = []
+        segments = []
+        sample_rows, sampling_requests = [], []
         fed_back = None  # the previous step's samples, once an input token stands for one of them
         for chunk in output.chunks:
             request = chunk.request
@@ -213,14 +232,7 @@ class ModelRunner:
         for chunk in output.padding:  # computed like real rows, written to scratch, thrown away
             token_ids += [self.pad_token_id] * chunk.num_tokens
             segments.append(Segment(chunk.start, chunk.num_tokens, tables[chunk.request.request_id], False))
-
-        with self._on_device():
-            logits = self._logits(self.cache, token_ids, segments, sample_rows, fed_back)
-            params = [r.params for r in sampling_requests]
-            indices = [len(r.output_token_ids) for r in sampling_requests]
-            if isinstance(self.sampler, Sampler):
-                return self.sampler.sample(logits, params, indices), sampling_requests
-            return self.sampler(logits, params, indices), sampling_requests
+        return self._logits(self.cache, token_ids, segments, sample_rows, fed_back), sampling_requests
 
     def _on_device(self) -> Any:
         """Make this runner's GPU the current one: Triton kernels and CUDA graphs run on the current device,
@@ -250,9 +262,6 @@ class ModelRunner:
             # 0 keeps every row: a pure decode step samples from all of them, and then needs no index.
             keep: Any = 0 if len(sample_rows) == len(token_ids) else long_tensor(sample_rows, self.device)
             return self._forward(input_ids, batch, keep)
-        if self.graphs is not None and cache is self.cache and self.graphs.can_run(segments, cache.block_size):
-            logits = self.graphs.run(token_ids, segments, fed_back)
-            return logits if len(sample_rows) == len(segments) else logits[long_tensor(sample_rows, self.device)]
         from labkit.runtime.triton_attention import build_triton_batch
 
         input_ids, batch, keep = build_triton_batch(cache, segments, token_ids, sample_rows, self.uploader)

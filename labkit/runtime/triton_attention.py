@@ -494,7 +494,7 @@ def build_triton_batch(
         query_start_loc.append(len(positions))
     seq_lens = [context_length(segment) for segment in segments]
     slots = slot_mapping(segments, block_size, scratch_slot=-1)  # -1: the store kernel skips the row
-    flat_tables, width = uploader.table_rows.padded(segments, seq_lens, block_size)
+    flat_tables, width = uploader.table_rows.padded([s.block_table for s in segments], seq_lens, block_size)
     # 0 keeps every row: a pure decode step samples from all of them, and then needs no index.
     keep_all = len(sample_rows) == len(token_ids)
     keep_rows = [] if keep_all else sample_rows

@@ -138,7 +138,7 @@ class DecodeGraphs:
     ) -> tuple[torch.Tensor, list[Request]]:
         """Copy a decode step into the static buffers and replay its bucket's graph.
 
-        Returns the logits of the rows that sample, (n, vocab), and whose they are. One pass over the chunks
+        Returns the logits of the rows that sample, one row each, and whose they are. One pass over the chunks
         builds every input, as slot_mapping and context_length would: a row at position ``p`` writes slot
         ``table[p // block_size] * block_size + p % block_size`` and attends to ``p + 1`` keys; a static
         batch's padding row (a finished member) stores nothing and attends to its cached ``p`` keys. Async

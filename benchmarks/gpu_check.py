@@ -178,6 +178,10 @@ def section(results: dict[str, Any], name: str, console: Console, out: Path) -> 
         console.print(f"  [red]{part['error']}[/red]")
     part["seconds"] = round(time.perf_counter() - start, 2)
     console.print(f"  done in {part['seconds']} s")
+    save(results, out)
+
+
+def save(results: dict[str, Any], out: Path) -> None:
     out.write_text(json.dumps(results, indent=2, default=str))
 
 
@@ -370,7 +374,14 @@ def run_transformers(model: torch.nn.Module, settings: Settings, workload: list[
     }
 
 
-def throughput(model: torch.nn.Module, settings: Settings, workload: list[WorkloadRequest], part: dict) -> None:
+def throughput(
+    model: torch.nn.Module,
+    settings: Settings,
+    workload: list[WorkloadRequest],
+    part: dict,
+    checkpoint: Callable[[], None] = lambda: None,
+) -> None:
+    """Each method on the same workload; ``checkpoint`` saves the results after each (a baseline may stall)."""
     runs: dict[str, Callable[[], dict]] = {
         "labkit continuous": lambda: run_labkit(model, settings, workload, "continuous"),
         ASYNC: lambda: run_labkit(model, settings, workload, "continuous", async_scheduling=True),
@@ -388,6 +399,7 @@ def throughput(model: torch.nn.Module, settings: Settings, workload: list[Worklo
             part[name] = run()
         except Exception as error:  # e.g. the baseline failing on this machine: keep labkit's numbers
             part[name] = {"error": f"{type(error).__name__}: {error}"}
+        checkpoint()
 
 
 # ---------------------------------------------------------------------------------------------- 3. decode floor
@@ -761,8 +773,11 @@ def main() -> None:
     ok = True
     with section(results, "correctness", console, args.out) as part:
         part["parity"], part["kernel"] = {}, {}
-        ok &= check_parity(settings, part["parity"])
-        ok &= check_kernel(settings, part["kernel"])
+        try:
+            ok &= check_parity(settings, part["parity"])
+        finally:  # the kernel's check runs even if the parity check crashed
+            ok &= check_kernel(settings, part["kernel"])
+    ok &= "error" not in results["correctness"]  # a check that crashed failed
     bandwidth = float("nan")
     with section(results, "bandwidth", console, args.out) as part:
         bandwidth = measure_bandwidth(device, args.quick)
@@ -783,7 +798,7 @@ def main() -> None:
     }  # fmt: skip
     # Most telling first: should a time limit stop the run, what it lost is the least needed.
     with section(results, "throughput nano-vllm", console, args.out) as part:
-        throughput(model, settings, workloads["nano-vllm"], part)
+        throughput(model, settings, workloads["nano-vllm"], part, lambda: save(results, args.out))
     with section(results, "decode floor", console, args.out) as part:
         decode_floor(model, settings, bandwidth, part)
     with section(results, "traces", console, args.out) as part:
@@ -793,7 +808,7 @@ def main() -> None:
     with section(results, "kernel shapes", console, args.out) as part:
         kernel_shapes(model, settings, bandwidth, part)
     with section(results, "throughput sharegpt-like", console, args.out) as part:
-        throughput(model, settings, workloads["sharegpt-like"], part)
+        throughput(model, settings, workloads["sharegpt-like"], part, lambda: save(results, args.out))
 
     table, notes = summary_table(results, bandwidth)
     for note in notes:

@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$P
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 "$PYTHON" -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)" \
     > "$OUT/versions.txt" 2>&1
-timeout 170 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_cuda_graphs.py \
+timeout 170 "$PYTHON" -m pytest -v --durations=15 -p no:cacheprovider tests/test_triton_attention.py tests/test_cuda_graphs.py \
     tests/test_async_scheduling.py::test_triton_path_with_decode_graphs \
     tests/test_async_scheduling.py::test_launching_a_decode_step_does_not_wait_for_the_gpu \
     > "$OUT/gpu_tests.txt" 2>&1

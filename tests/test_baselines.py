@@ -15,6 +15,7 @@ import pytest
 import torch
 import transformers
 
+import labkit.serving.baselines
 import labkit.serving.bench.cli
 import labkit.serving.bench.modes
 from labkit import Engine, EngineConfig, SamplingParams
@@ -162,6 +163,36 @@ def test_bad_baseline_inputs(model):
         timed_padded_generate(model, PROMPTS, WANTED, batch_size=0)
     with pytest.raises(RuntimeError, match="context manager"):
         TransformersContinuous(model).serve(PROMPTS, WANTED)
+
+
+class ManagerThatDies:
+    """transformers' manager after its background thread died: it takes requests and never posts a result."""
+
+    def __init__(self) -> None:
+        self.added = 0
+        self.waits: list[float] = []  # how long each get_result was allowed to block
+
+    def add_request(self, *args: object, **kwargs: object) -> str:
+        self.added += 1
+        return f"req_{self.added}"
+
+    def get_result(self, timeout: float) -> None:
+        self.waits.append(timeout)
+        return None
+
+    def is_running(self) -> bool:
+        return False
+
+
+def test_a_manager_whose_thread_died_is_noticed_at_once(model, monkeypatch):
+    """Waiting for results checks that the manager still runs, instead of blocking for RESULT_TIMEOUT."""
+    monkeypatch.setattr(labkit.serving.baselines, "RESULT_POLL", 0.01)
+    hf = TransformersContinuous(model)
+    hf._manager = ManagerThatDies()
+    with pytest.raises(RuntimeError, match="stopped before finishing all requests"):
+        hf.serve(PROMPTS, WANTED)
+    assert hf._manager.added == len(PROMPTS)
+    assert max(hf._manager.waits) <= 0.01  # never one long block that a dead thread would never end
 
 
 @pytest.mark.parametrize(

@@ -93,6 +93,16 @@ def test_contexts_longer_than_at_capture(model: torch.nn.Module) -> None:
         assert graphed == [o.output_token_ids for o in eager.generate(prompts, params)]
 
 
+@needs_cuda
+def test_a_dropped_engine_leaves_the_next_one_as_large_a_cache(model: torch.nn.Module) -> None:
+    """An engine with graphs is a reference cycle (runner and graphs), so dropping it frees nothing until Python
+    collects cycles; an engine that sizes its cache from free memory collects first, or it would get a tenth."""
+    config = EngineConfig(device="cuda", attention_backend="triton", max_num_seqs=4)
+    first = Engine(model, config).allocator.num_blocks  # the engine is dropped at once, its cache still held
+    second = Engine(model, config).allocator.num_blocks
+    assert second >= 0.9 * first, (first, second)
+
+
 class OpRecorder(TorchDispatchMode):
     """Counts every aten op that runs inside it (the ops themselves run as usual)."""
 

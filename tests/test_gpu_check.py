@@ -120,3 +120,20 @@ def test_the_throughput_targets_are_read_off_the_best_continuous_run(gpu_check) 
     assert re.search(r"nano-vllm: labkit continuous, async scheduling tok/s\s+│\s+30,000\s+│\s+>= 17,700", text)
     assert re.search(r"nano-vllm: labkit continuous tok/s\s+│\s+20,000\s+│\s+│", text)
     assert re.search(r"labkit continuous, async scheduling / transformers\s+│\s+3\.75x\s+│\s+>= 3\.0x", text)
+
+
+def test_throughput_saves_after_each_method_so_a_stalled_baseline_loses_nothing(gpu_check, monkeypatch) -> None:
+    """A baseline that stalls until the run's time limit kills it must not take the numbers measured before it."""
+    saved: list[list[str]] = []
+    part: dict = {}
+    monkeypatch.setattr(gpu_check, "run_labkit", lambda *args, **kwargs: {"tokens_per_s": 1.0})
+
+    def failing_baseline(*args: object) -> dict:
+        raise RuntimeError("transformers' continuous batching stopped before finishing all requests")
+
+    monkeypatch.setattr(gpu_check, "run_transformers", failing_baseline)
+    workload = [SimpleNamespace(prompt=[5, 6, 7], max_new_tokens=2)]
+    gpu_check.throughput(None, None, workload, part, lambda: saved.append(sorted(part)))
+    methods = ["labkit continuous", gpu_check.ASYNC, "labkit static", "transformers generate_batch"]
+    assert saved == [sorted(["workload", *methods[: i + 1]]) for i in range(len(methods))]
+    assert "stopped before finishing" in part["transformers generate_batch"]["error"]

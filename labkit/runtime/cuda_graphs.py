@@ -108,6 +108,7 @@ class DecodeGraphs:
         )
         return ids[None], batch
 
+    @torch.inference_mode()  # the static buffers are inference tensors, made under inference mode
     def _capture(self, size: int) -> None:
         ids, batch = self._inputs(size)
         self.outputs[size] = self.forward(ids, batch, 0)  # warm-up: compiles kernels, picks GEMM algorithms

@@ -291,6 +291,10 @@ class ModelRunner:
         if self.device.type != "cuda":
             return cpu_cache_blocks(self.model, block_size)
         per_block = kv_bytes_per_block(self.model, block_size)
+        # A dropped engine with CUDA graphs is a reference cycle (its runner and graphs point at each other):
+        # collect it, so that its cache does not count as used and shrink this one to a tenth of the GPU.
+        gc.collect()
+        torch.cuda.empty_cache()
         activations = self._warm_up(block_size)
         free, _ = torch.cuda.mem_get_info(self.device)
         # The torch attention copies one layer's share of the blocks it reads: at most every running request's

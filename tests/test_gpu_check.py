@@ -137,3 +137,12 @@ def test_throughput_saves_after_each_method_so_a_stalled_baseline_loses_nothing(
     methods = ["labkit continuous", gpu_check.ASYNC, "labkit static", "transformers generate_batch"]
     assert saved == [sorted(["workload", *methods[: i + 1]]) for i in range(len(methods))]
     assert "stopped before finishing" in part["transformers generate_batch"]["error"]
+
+
+def test_the_gpu_run_names_tests_that_exist() -> None:
+    """scripts/gpu_run.sh lists the GPU tests by path and name: a renamed test would silently drop out of the run."""
+    named = re.findall(r"(tests/[\w/]+\.py)(?:::(\w+))?", (ROOT / "scripts" / "gpu_run.sh").read_text())
+    assert len(named) >= 5
+    for path, test in named:
+        source = (ROOT / path).read_text()
+        assert not test or f"def {test}(" in source, f"{path} has no {test}"

@@ -8,6 +8,7 @@ enough to keep everything and one so small that requests are preempted and cache
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -25,7 +26,7 @@ def model(request, tiny_model):
 
 
 def reference(model, prompt: list[int]) -> list[int]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     eos = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = None
     try:
@@ -53,6 +54,24 @@ def waves(vocab_size: int) -> list[list[list[int]]]:
     return [first, second]
 
 
+def serve_waves(model, config: EngineConfig) -> tuple[Engine, list, list]:
+    """Both waves through one engine, one after the other; the engine, its outputs and its step reports."""
+    engine = Engine(model, config)
+    reports: list = []
+    engine.step_listeners.append(reports.append)
+    outputs = []
+    for number, wave in enumerate(waves(model.config.vocab_size)):
+        params = [
+            SamplingParams(max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True, priority=(i + number) % 3)
+            for i in range(len(wave))
+        ]
+        outputs += engine.generate(wave, params)
+    assert [o.output_token_ids for o in outputs] == [reference(model, o.prompt_token_ids) for o in outputs]
+    assert sum(o.num_cached_tokens for o in outputs) > 0
+    assert engine.num_free_blocks == engine.num_blocks
+    return engine, outputs, reports
+
+
 @pytest.mark.parametrize("scheduling", ["fcfs", "priority", "shortest-first"])
 @pytest.mark.parametrize("num_blocks", [128, 12])
 def test_greedy_outputs_equal_generate_with_prefix_caching(model, scheduling, num_blocks):
@@ -64,22 +83,38 @@ def test_greedy_outputs_equal_generate_with_prefix_caching(model, scheduling, nu
         enable_prefix_caching=True,
         scheduling=scheduling,
     )
-    engine = Engine(model, config)
-    reports = []
-    engine.step_listeners.append(reports.append)
-    outputs = []
-    for number, wave in enumerate(waves(model.config.vocab_size)):
-        params = [
-            SamplingParams(max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True, priority=(i + number) % 3)
-            for i in range(len(wave))
-        ]
-        outputs += engine.generate(wave, params)
-    assert [o.output_token_ids for o in outputs] == [reference(model, o.prompt_token_ids) for o in outputs]
+    _, _, reports = serve_waves(model, config)
     kinds = {e.kind for r in reports for e in r.block_events}
-    assert "hit" in kinds and sum(o.num_cached_tokens for o in outputs) > 0
+    assert "hit" in kinds
     if num_blocks == 12:  # 96 slots for prompts of up to 43 tokens: requests are preempted, blocks evicted
         assert any(r.preempted for r in reports) and "evict" in kinds
-    assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_the_gpu_path_reads_shared_blocks_as_exactly(tiny_model):
+    """The Triton kernels and decode graphs (Triton's interpreter on a CPU) on prefix-cached prompts: a request
+    that starts from cached blocks attends to them from where they lie, preempted and evicted as above."""
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        pytest.importorskip("triton")
+        from labkit.runtime.runner import interpreter_runs_kernels
+
+        if os.environ.get("TRITON_INTERPRET") != "1" or not interpreter_runs_kernels():
+            pytest.skip("without CUDA this needs Triton's interpreter (TRITON_INTERPRET=1, triton>=3.7)")
+    model = tiny_model("qwen3").to("cuda" if cuda else "cpu")
+    config = EngineConfig(
+        block_size=BLOCK,
+        num_blocks=12,
+        max_batch_tokens=48,
+        max_num_seqs=4,
+        enable_prefix_caching=True,
+        scheduling="priority",
+        device="cuda" if cuda else "cpu",
+        dtype="float32",
+        attention_backend="triton",
+        use_cuda_graph=True,
+    )
+    engine, _, reports = serve_waves(model, config)
+    assert engine.runner.graphs.num_replays > 0 and any(r.preempted for r in reports)
 
 
 def test_a_multi_turn_chat_equals_generate_turn_by_turn(model):

@@ -71,6 +71,13 @@ def failing(number, implementation):
     return result, {f.case: f.message() for f in result.failures}
 
 
+def only_failure(number, implementation, case):
+    """The message of ``case``, after checking that it is the one case ``implementation`` fails."""
+    _, messages = failing(number, implementation)
+    assert list(messages) == [case]
+    return messages[case]
+
+
 # ------------------------------------------------------------------ exercise 1: planted mistakes
 class LeakyFree(BlockAllocator):
     """Forgets to return the last block of a request to the free queue."""
@@ -195,11 +202,10 @@ class TwoArgumentAllocate(BlockAllocator):
 
 
 def test_ex1_an_allocator_that_the_engine_cannot_call_is_named_by_the_engine_case():
-    _, messages = failing(1, TwoArgumentAllocate)
     engine = "inside the engine, the allocator serves requests through preemptions and gets every block back"
-    assert list(messages) == [engine]
-    assert "takes 3 positional arguments but 4 were given" in messages[engine]
-    assert "allocate(request_id, num_tokens, prefix)" in messages[engine]
+    text = only_failure(1, TwoArgumentAllocate, engine)
+    assert "takes 3 positional arguments but 4 were given" in text
+    assert "allocate(request_id, num_tokens, prefix)" in text
 
 
 def test_ex1_a_leaky_free_inside_the_engine_is_stopped_and_named():
@@ -687,10 +693,7 @@ class TopPKeepsTheTie(RowByRow):
 
 
 def test_ex6_top_p_at_an_exact_tie_is_named():
-    _, messages = failing(6, TopPKeepsTheTie)
-    name = "a nucleus whose mass equals top_p exactly keeps no further token"
-    assert list(messages) == [name]
-    text = messages[name]
+    text = only_failure(6, TopPKeepsTheTie, "a nucleus whose mass equals top_p exactly keeps no further token")
     assert "expected: 2 of the 4 tokens drawn, shares [0.5, 0.5]" in text
     assert "got:      3 of the 4 tokens drawn" in text
     assert "mass before the third token is exactly 0.5" in text and ">= top_p, not >" in text
@@ -889,10 +892,8 @@ def test_ex8_planted_mistakes_are_named():
 
 
 def test_ex8_a_hit_confirmed_without_its_parent_is_named():
-    _, messages = failing(8, IgnoresTheParent)
     name = "a hit is confirmed against the parent digest: the same tokens after another prefix miss"
-    assert list(messages) == [name]
-    text = messages[name]
+    text = only_failure(8, IgnoresTheParent, name)
     assert "block 63 holds [14, 15, 16, 17] after [1, 2, 3, 4]" in text
     assert "expected: PrefixMatch(blocks=[0], num_query_tokens=13, num_query_blocks=3, miss='new')" in text
     assert "got:      PrefixMatch(blocks=[0, 63, 2]," in text

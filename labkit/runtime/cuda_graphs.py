@@ -125,7 +125,7 @@ class DecodeGraphs:
         chunks, padding = output.chunks, output.padding
         if not chunks or len(chunks) + len(padding) > self.max_batch:
             return False
-        if any(chunk.num_tokens != 1 for chunk in chunks) or any(chunk.num_tokens != 1 for chunk in padding):
+        if any(chunk.num_tokens != 1 for chunk in (*chunks, *padding)):
             return False
         longest = max(chunk.start for chunk in chunks) + 1
         return -(-longest // self.cache.block_size) <= self.width

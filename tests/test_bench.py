@@ -345,6 +345,11 @@ def ran(monkeypatch):
             "mode 'labkit-continuous' cannot serve this workload: request 0: prompt",
         ),
         (["--rate", "1,2", "--num-blocks", "4"], "the whole KV cache holds 64 (4 blocks x 16) (arrivals 1/s)"),
+        # The simulated model has no device and no dtype: a flag for them is a mistake, not a no-op.
+        (["--device", "cuda"], "--device and --dtype choose where a real model runs"),
+        (["--dtype", "float33"], "--device and --dtype choose where a real model runs"),
+        # A cache too big for memory is refused like one too small, before any mode runs.
+        (["--model", "random:tiny", "--num-blocks", "100000000000"], "more than could be allocated"),
     ],
 )
 def test_main_refuses_an_unservable_workload_before_running(options, message, ran, capsys):

@@ -161,7 +161,7 @@ def test_continuous_batching_beats_static_on_long_tailed_outputs():
     [
         ({"vocab_size": 2}, "vocab_size must be >= 3"),
         ({"cost": "tpu"}, "unknown cost preset 'tpu'"),
-        ({"mean_output_len": 0.5}, "mean_output_len must be >= 1"),
+        ({"mean_output_len": 0.5}, "mean_output_len must be a finite number >= 1"),
     ],
 )
 def test_bad_simulated_model_settings_name_the_field(kwargs, match):

@@ -11,7 +11,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEFAULT_MAX_NUM_SEQS = 64
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     """How the engine batches requests and how big its KV cache is.
 
@@ -40,6 +40,9 @@ class EngineConfig:
     so on a GPU the host's Python work overlaps the GPU's (continuous policy only). Every running request
     is assumed to go on; one that step N stops (EOS, a stop token) has its row in step N+1 computed and
     thrown away. Tokens are the same as without it; each step's report comes one ``step()`` later.
+
+    A config is frozen, so what an engine was built with is what it runs: change a field with
+    ``dataclasses.replace(config, field=value)``, which checks the new config again.
     """
 
     block_size: int = 16
@@ -61,7 +64,7 @@ class EngineConfig:
         for name in ("block_size", "max_batch_tokens"):
             _check_positive_int(name, getattr(self, name))
         if self.max_num_seqs is None:
-            self.max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, self.max_batch_tokens)
+            object.__setattr__(self, "max_num_seqs", min(DEFAULT_MAX_NUM_SEQS, self.max_batch_tokens))
         _check_positive_int("max_num_seqs", self.max_num_seqs)
         if self.num_blocks is not None:
             _check_positive_int("num_blocks", self.num_blocks)

@@ -108,6 +108,10 @@ class Engine:
             config = EngineConfig()
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        plugged = (("allocator_cls", allocator_cls, BlockAllocator), ("scheduler_cls", scheduler_cls, Scheduler))
+        for name, part, base in plugged:
+            if not callable(part) or (isinstance(part, type) and not issubclass(part, base)):
+                raise TypeError(f"{name} must be a subclass of {base.__name__} (or make one), got {part!r}")
         self.config = config
         self.tokenizer = tokenizer
         parts = {"slot_mapping_fn": slot_mapping_fn, "attention_fn": attention_fn, "sampler": sampler}
@@ -193,6 +197,22 @@ class Engine:
         KeyError if no unfinished request has that id.
         """
         self._aborted.append(self.scheduler.abort(request_id, self.clock()))
+
+    def release(self, request_id: int) -> RequestOutput:
+        """Return a finished request's output and forget it.
+
+        ``requests`` keeps every request added until it is released, so that its output can be read at
+        any time; a server that serves requests one by one with ``add_request`` and ``step`` releases each
+        one it is done with (``generate`` and the online driver release theirs). KeyError for an unknown id,
+        ValueError for a request that is still running (abort it first) or whose last token is still being
+        read (async scheduling: step once more).
+        """
+        request = self.requests[request_id]
+        if request.finish_reason is None or PENDING_TOKEN in request.output_token_ids:
+            raise ValueError(f"request {request_id} has not finished: abort() it, or step() until it has")
+        output = self.output(request_id)
+        del self.requests[request_id]
+        return output
 
     def output(self, request_id: int) -> RequestOutput:
         """What ``request_id`` has generated so far (async scheduling: the tokens read so far)."""
@@ -331,6 +351,8 @@ class Engine:
             raise TypeError("prompts is a flat list of ints; pass a list of prompts, e.g. [[5, 6, 7]] for one")
         if isinstance(params, SamplingParams) or params is None:
             params = [params] * len(prompts)
+        elif not isinstance(params, (list, tuple)):
+            raise TypeError(f"params must be a SamplingParams or a list of them, got {type(params).__name__}")
         elif len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         ids: list[int] = []
@@ -340,11 +362,16 @@ class Engine:
         except BaseException:
             self._forget(ids, report=False)  # refused before anything ran: it leaves no trace
             raise
-        bar = _progress_bar(len(ids)) if progress else None
+        bar = progress_bar(len(ids), "generate") if progress else None
         pending = set(ids)
         try:
             while pending:
                 report = self.step()
+                if not (report.scheduled or report.padding or report.finished or self._ahead):
+                    raise RuntimeError(
+                        "the engine has unfinished requests but scheduled nothing, and the next step would do the"
+                        " same: no request can run (a plugged-in scheduler that plans nothing?)"
+                    )
                 if report.finished:
                     done = pending.intersection(report.finished)
                     pending -= done
@@ -358,10 +385,7 @@ class Engine:
         finally:
             if bar is not None:
                 bar.close()
-        outputs = [self.output(request_id) for request_id in ids]
-        for request_id in ids:
-            del self.requests[request_id]
-        return outputs
+        return [self.release(request_id) for request_id in ids]
 
     def _forget(self, request_ids: list[int], *, report: bool) -> None:
         """Abort these requests (freeing their blocks) and drop them from ``requests``.
@@ -390,10 +414,12 @@ class Engine:
             raise ValueError("prompt is empty")
         vocab = self.runner.vocab_size
         for token in token_ids:
-            if isinstance(token, bool) or not isinstance(token, int):
+            if isinstance(token, bool) or not isinstance(token, numbers.Integral):
                 raise TypeError(f"prompt token ids must be ints, got {type(token).__name__}")
             if not 0 <= token < vocab:
                 raise ValueError(f"prompt token id {token} is outside the vocabulary [0, {vocab})")
+        if not all(type(token) is int for token in token_ids):  # numpy's integers, say: stored as Python ints
+            token_ids = [int(token) for token in token_ids]
         if len(token_ids) > self.runner.max_model_len:
             raise ValueError(
                 f"prompt ({len(token_ids)} tokens) is longer than the model's maximum length"
@@ -475,7 +501,11 @@ def _arrival_time(value: object) -> float:
     return float(value)
 
 
-def _progress_bar(total: int) -> Any:
+def progress_bar(total: int, desc: str) -> Any:
+    """A tqdm bar of requests done, updated as they finish; it starts no thread (tqdm's monitor is off for it)."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="generate", unit="req")
+    class RequestBar(tqdm):
+        monitor_interval = 0  # the monitor thread would outlive the bar, for the rest of the process
+
+    return RequestBar(total=total, desc=desc, unit="req")

@@ -12,6 +12,7 @@ it (``EngineConfig(async_scheduling=True)``) host and device overlap, and a step
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,12 +77,24 @@ class SimulatedModel:
     eos_token_id = 1
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "max_model_len", "seed", "default_num_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if self.vocab_size < 3:
             raise ValueError(f"vocab_size must be >= 3 (pad, EOS and one real token), got {self.vocab_size}")
-        if isinstance(self.cost, str) and self.cost not in COST_PRESETS:
-            raise ValueError(f"unknown cost preset {self.cost!r}; choose from {sorted(COST_PRESETS)}")
-        if self.mean_output_len is not None and self.mean_output_len < 1:
-            raise ValueError(f"mean_output_len must be >= 1, got {self.mean_output_len}")
+        if self.max_model_len < 1 or self.default_num_blocks < 1:
+            raise ValueError("max_model_len and default_num_blocks must be >= 1")
+        if isinstance(self.cost, str):
+            if self.cost not in COST_PRESETS:
+                raise ValueError(f"unknown cost preset {self.cost!r}; choose from {sorted(COST_PRESETS)}")
+        elif not isinstance(self.cost, CostModel):
+            raise TypeError(f"cost must be a preset name or a CostModel, got {type(self.cost).__name__}")
+        if self.mean_output_len is not None:
+            if isinstance(self.mean_output_len, bool) or not isinstance(self.mean_output_len, (int, float)):
+                raise TypeError(f"mean_output_len must be a number or None, got {type(self.mean_output_len).__name__}")
+            if not 1 <= self.mean_output_len < math.inf:
+                raise ValueError(f"mean_output_len must be a finite number >= 1, got {self.mean_output_len}")
 
     @property
     def cost_model(self) -> CostModel:

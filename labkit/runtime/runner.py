@@ -97,6 +97,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype)
         _check_conversion(model, self.device, dtype)
+        first = next(model.parameters())
+        self._model_was = (first.device, first.dtype)  # put back if the cache cannot be allocated
         self.model = model.to(device=self.device, dtype=dtype).eval()
         self.dtype = next(model.parameters()).dtype
         text = model.config.get_text_config()
@@ -138,7 +140,16 @@ class ModelRunner:
         with self._on_device():
             if num_blocks is None:
                 num_blocks = self._blocks_from_memory(block_size)
-            self.cache = self._new_cache(num_blocks, block_size)
+            try:
+                self.cache = self._new_cache(num_blocks, block_size)
+            except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
+                needed = num_blocks * kv_bytes_per_block(self.model, block_size)
+                self.model.to(device=self._model_was[0], dtype=self._model_was[1])  # no engine, no conversion
+                raise ValueError(
+                    f"a KV cache of {num_blocks:,} blocks of {block_size} slots needs {needed / 2**30:,.1f} GiB on"
+                    f" {self.device_name}, more than could be allocated: set a smaller num_blocks, or None to size"
+                    " it from the memory there is"
+                ) from error
             if self.use_cuda_graph:
                 from labkit.runtime.cuda_graphs import DecodeGraphs
 

@@ -55,7 +55,10 @@ class Sampler:
         ]
         # One host-to-device copy for every per-row value (float64 holds each of them exactly); on a GPU each
         # copy from Python lists waits for the forward pass, so five separate ones would wait five times.
-        columns = [sampled_rows, [p.temperature for p in chosen], [p.top_k for p in chosen], [p.top_p for p in chosen]]
+        # A top_k beyond the vocabulary keeps every token, as 0 does (and stays exact in float64).
+        vocab = logits.shape[-1]
+        top_ks = [min(p.top_k, vocab) for p in chosen]
+        columns = [sampled_rows, [p.temperature for p in chosen], top_ks, [p.top_p for p in chosen]]
         # Pinned, the copy queues behind the forward pass instead of waiting for it (async scheduling).
         values = torch.tensor([*columns, uniforms], dtype=torch.float64, pin_memory=logits.is_cuda)
         values = values.to(logits.device, non_blocking=True)

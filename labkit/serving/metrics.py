@@ -147,7 +147,8 @@ def summarize(values: Iterable[float]) -> Summary | None:
 
 
 # ---------------------------------------------------------------------------------------------- targets
-_TARGET_RE = re.compile(r"^\s*([a-z_0-9]+)\s*<=\s*([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*(ms|s)?\s*$", re.IGNORECASE)
+_NUMBER = r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[-+]?[0-9]+)?"  # 5, 5., .5, 0.5, 5e-3
+_TARGET_RE = re.compile(rf"^\s*([a-z_0-9]+)\s*<=\s*({_NUMBER})\s*(ms|s)?\s*$", re.IGNORECASE)
 
 
 def parse_targets(text: str) -> dict[str, float]:
@@ -165,6 +166,8 @@ def parse_targets(text: str) -> dict[str, float]:
         if match is None:
             raise ValueError(f"bad latency target {part.strip()!r}; expected METRIC<=NUMBER[s|ms], e.g. 'ttft<=0.5s'")
         name, number, unit = match.group(1).lower(), float(match.group(2)), (match.group(3) or "s").lower()
+        if name in targets:
+            raise ValueError(f"latency target {name!r} is given twice in {text!r}")
         targets[name] = number / 1000 if unit == "ms" else number
     return check_targets(targets)
 
@@ -177,8 +180,8 @@ def check_targets(targets: Mapping[str, float]) -> dict[str, float]:
             raise ValueError(f"unknown latency target {name!r}; choose from {TARGET_METRICS}")
         if isinstance(limit, bool) or not isinstance(limit, (int, float)):
             raise TypeError(f"target {name} must be a number of seconds, got {type(limit).__name__}")
-        if not limit > 0:
-            raise ValueError(f"target {name} must be > 0 seconds, got {limit}")
+        if not 0 < limit < float("inf"):
+            raise ValueError(f"target {name} must be a finite number of seconds > 0, got {limit}")
         checked[name] = float(limit)
     return checked
 

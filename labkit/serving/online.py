@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
-from labkit.core.engine import Engine
+from labkit.core.engine import Engine, progress_bar
 from labkit.serving.metrics import Run
 from labkit.serving.workloads import WorkloadRequest
 
@@ -34,6 +33,8 @@ def run_workload(
     early. With every arrival at 0 this is an offline run. If a request is refused (e.g. too long for
     the model), the requests already added are aborted and the error is raised.
     """
+    if isinstance(workload, (str, bytes)) or not isinstance(workload, Sequence):
+        raise TypeError(f"workload must be a list of WorkloadRequest, got {type(workload).__name__}")
     if not workload:
         raise ValueError("workload is empty")
     for item in workload:
@@ -43,7 +44,7 @@ def run_workload(
     start = engine.clock()
     ids: dict[int, int] = {}  # workload index -> request id
     reports = []
-    bar = _progress_bar(len(workload)) if progress else None
+    bar = progress_bar(len(workload), "serve") if progress else None
     try:
         next_index = 0
         while next_index < len(order) or engine.has_unfinished():
@@ -64,7 +65,10 @@ def run_workload(
             elif next_index < len(order):
                 _wait_until(engine, start + workload[order[next_index]].arrival_time)
             elif engine.has_unfinished():
-                raise RuntimeError("the engine has unfinished requests but scheduled nothing")
+                raise RuntimeError(
+                    "the engine has unfinished requests but scheduled nothing, and the next step would do the"
+                    " same: no request can run (a plugged-in scheduler that plans nothing?)"
+                )
     except BaseException:
         for request_id in ids.values():
             if engine.requests[request_id].finish_reason is None:
@@ -74,10 +78,7 @@ def run_workload(
     finally:
         if bar is not None:
             bar.close()
-    outputs = [engine.output(ids[i]) for i in range(len(workload))]
-    for request_id in ids.values():
-        del engine.requests[request_id]
-    return Run(outputs, reports)
+    return Run([engine.release(ids[i]) for i in range(len(workload))], reports)
 
 
 def _wait_until(engine: Engine, t: float) -> None:
@@ -93,9 +94,3 @@ def _wait_until(engine: Engine, t: float) -> None:
             "the runner's clock did not advance while the engine was idle; a runner whose clock is not"
             " wall time needs a wait_until(t) method"
         )
-
-
-def _progress_bar(total: int) -> Any:
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="serve", unit="req")

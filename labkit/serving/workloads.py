@@ -18,6 +18,7 @@ use separate random streams, so the same seed gives the same requests at every r
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -47,6 +48,21 @@ class WorkloadRequest:
     prompt: list[int] | str
     max_new_tokens: int
     arrival_time: float = 0.0
+
+    def __post_init__(self) -> None:
+        # The token ids themselves are checked by the engine, which knows the vocabulary.
+        if not isinstance(self.prompt, (str, list, tuple)):
+            raise TypeError(f"prompt must be a string or a list of token ids, got {type(self.prompt).__name__}")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, numbers.Integral):
+            raise TypeError(f"max_new_tokens must be an int, got {type(self.max_new_tokens).__name__}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if isinstance(self.arrival_time, bool) or not isinstance(self.arrival_time, numbers.Real):
+            raise TypeError(f"arrival_time must be a number of seconds, got {type(self.arrival_time).__name__}")
+        if not 0 <= self.arrival_time < math.inf:
+            raise ValueError(f"arrival_time must be a finite number of seconds >= 0, got {self.arrival_time}")
+        object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
+        object.__setattr__(self, "arrival_time", float(self.arrival_time))
 
     def sampling_params(self, *, ignore_eos: bool = True) -> SamplingParams:
         """Greedy params for exactly ``max_new_tokens`` tokens (unless ``ignore_eos=False`` lets EOS stop it)."""
@@ -149,8 +165,11 @@ def arrival_times(
         raise TypeError(f"rate must be a number of requests per second, got {type(rate).__name__}")
     if not rate > 0:
         raise ValueError(f"rate must be > 0 requests per second (or None for all at once), got {rate}")
+    mean_gap = 1 / (rate * burstiness)
+    if not math.isfinite(mean_gap):
+        raise ValueError(f"rate {rate} is too small: the arrival times would not be finite")
     rng = rng if rng is not None else np.random.default_rng()
-    gaps = rng.gamma(shape=burstiness, scale=1 / (rate * burstiness), size=n)
+    gaps = rng.gamma(shape=burstiness, scale=mean_gap, size=n)
     return np.cumsum(gaps).tolist()
 
 
@@ -160,7 +179,13 @@ def random_token_prompts(
 ) -> list[list[int]]:
     """Prompts of the given lengths with token ids drawn uniformly from the vocabulary minus ``special_ids``."""
     _check_positive("vocab_size", vocab_size)
-    allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(special_ids, dtype=int))
+    if isinstance(special_ids, (str, bytes)) or not isinstance(special_ids, Iterable):
+        raise TypeError(f"special_ids must be a collection of token ids, got {type(special_ids).__name__}")
+    special = list(special_ids)
+    for token in special:
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+            raise TypeError(f"special_ids must be ints, got {type(token).__name__}")
+    allowed = np.setdiff1d(np.arange(vocab_size), np.array(special, dtype=int))
     if allowed.size == 0:
         raise ValueError(f"special_ids cover the whole vocabulary of {vocab_size}: no token id left for prompts")
     return [allowed[rng.integers(0, allowed.size, n)].tolist() for n in lengths]
@@ -228,9 +253,12 @@ def make_workload(
         raise ValueError(f"unknown workload {name!r}; choose from {sorted(WORKLOADS)}")
     n = DEFAULT_NUM_REQUESTS if num_requests is None else num_requests
     check_num_requests(n)
+    _check_count("seed", seed)
     _check_options(name, sampler, options)
     if (vocab_size is None) == (tokenizer is None):
         raise ValueError("give exactly one of vocab_size (token-id prompts) or tokenizer (text prompts)")
+    if tokenizer is not None and not callable(getattr(tokenizer, "encode", None)):
+        raise TypeError(f"tokenizer must have an encode() method, as transformers' do; got {type(tokenizer).__name__}")
 
     def stream(kind: int) -> np.random.Generator:
         return np.random.default_rng([seed, kind])

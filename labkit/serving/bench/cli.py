@@ -240,6 +240,8 @@ def prepare(
     unknown = [m for m in requested if m not in (*MODES, "all")]
     if unknown:
         raise ValueError(f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)} (or all)")
+    if args.model.partition(":")[0] == "sim" and (args.device != "auto" or args.dtype is not None):
+        raise ValueError("--device and --dtype choose where a real model runs; the simulated model has neither")
     for name in ("repeats", "static_batch_size", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:

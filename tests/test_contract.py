@@ -1,0 +1,166 @@
+"""The failure contract at the edges: a bad value is refused with an error that names it, before it can stall,
+hang or leak; and what a serving loop needs to run for ever (release, no stray threads) is there.
+
+Threads: torch runs on 1 thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel
+from labkit.core.scheduler import Scheduler, SchedulerOutput
+from labkit.serving.metrics import parse_targets
+from labkit.serving.online import run_workload
+from labkit.serving.workloads import WorkloadRequest, make_workload
+
+torch.set_num_threads(1)
+
+CONFIG = EngineConfig(block_size=4, num_blocks=32, max_batch_tokens=32)
+GREEDY = SamplingParams(max_new_tokens=4, ignore_eos=True)
+
+
+def sim_engine(**parts) -> Engine:
+    return Engine(SimulatedModel(), CONFIG, **parts)
+
+
+def test_a_huge_top_k_keeps_every_token_and_the_others_are_served(tiny_model):
+    model = tiny_model("llama")
+    engine = Engine(model, EngineConfig(block_size=8, num_blocks=64, max_batch_tokens=64))
+    alone = Engine(model, EngineConfig(block_size=8, num_blocks=64, max_batch_tokens=64))
+    huge, off = (SamplingParams(max_new_tokens=4, temperature=0.7, top_k=k, seed=3) for k in (10**400, 0))
+    greedy, sampled = engine.generate([[5, 6, 7], [8, 9]], [GREEDY, huge])
+    assert greedy.output_token_ids == alone.generate([[5, 6, 7]], GREEDY)[0].output_token_ids
+    assert sampled.output_token_ids == alone.generate([[8, 9]], off)[0].output_token_ids  # as with no top-k
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+class PlansNothing(Scheduler):
+    """A learner's scheduler that never schedules anything: every step is empty."""
+
+    def schedule_continuous(self) -> SchedulerOutput:
+        return SchedulerOutput(step=self.step_index + 1, chunks=[])
+
+
+def test_generate_and_the_online_driver_stop_when_nothing_can_ever_run():
+    engine = sim_engine(scheduler_cls=PlansNothing)
+    with pytest.raises(RuntimeError, match="scheduled nothing"):
+        engine.generate([[5, 6, 7]], GREEDY)
+    assert not engine.requests and not engine.has_unfinished()
+    with pytest.raises(RuntimeError, match="scheduled nothing"):
+        run_workload(engine, [WorkloadRequest([5, 6, 7], 4)])
+    assert not engine.requests and engine.num_free_blocks == engine.num_blocks
+
+
+def test_a_config_cannot_change_under_an_engine():
+    config = EngineConfig(block_size=4, num_blocks=32, max_batch_tokens=32)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_batch_tokens = 0
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        dataclasses.replace(config, max_batch_tokens=0)  # a changed copy is checked again
+
+
+def test_a_cache_too_big_to_allocate_is_refused_and_the_model_is_left_as_it_was(tiny_model):
+    model = tiny_model("llama").to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"100,000,000,000 blocks .* set a smaller num_blocks"):
+        Engine(model, EngineConfig(dtype="float32", num_blocks=10**11))
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "message"),
+    [
+        ({"arrival_time": float("nan")}, ValueError, "arrival_time must be a finite"),
+        ({"arrival_time": -1.0}, ValueError, "arrival_time must be a finite"),
+        ({"arrival_time": "1"}, TypeError, "arrival_time must be a number"),
+        ({"max_new_tokens": 0}, ValueError, "max_new_tokens must be >= 1"),
+        ({"max_new_tokens": 2.0}, TypeError, "max_new_tokens must be an int"),
+        ({"prompt": 5}, TypeError, "prompt must be"),
+    ],
+)
+def test_a_workload_request_names_its_bad_field(fields, error, message):
+    with pytest.raises(error, match=message):
+        WorkloadRequest(**({"prompt": [5, 6], "max_new_tokens": 4} | fields))
+
+
+def test_a_workload_request_stores_plain_numbers():
+    request = WorkloadRequest([5, 6], np.int64(4), np.float32(0.5))
+    assert type(request.max_new_tokens) is int and type(request.arrival_time) is float
+
+
+def test_run_workload_names_a_workload_that_is_not_a_list():
+    with pytest.raises(TypeError, match="workload must be a list of WorkloadRequest"):
+        run_workload(sim_engine(), 5)
+
+
+def test_release_returns_a_finished_output_once_and_refuses_a_running_request():
+    engine = sim_engine()
+    request_id = engine.add_request([5, 6, 7], GREEDY)
+    with pytest.raises(ValueError, match="has not finished"):
+        engine.release(request_id)
+    while engine.has_unfinished():
+        engine.step()
+    output = engine.release(request_id)
+    assert len(output.output_token_ids) == 4 and output.finish_reason == "length"
+    assert request_id not in engine.requests
+    with pytest.raises(KeyError):
+        engine.release(request_id)
+
+
+def test_release_waits_for_the_last_token_under_async_scheduling():
+    engine = Engine(SimulatedModel(), dataclasses.replace(CONFIG, async_scheduling=True))
+    request_id = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=1, ignore_eos=True))
+    engine._launch(keep_empty=False)  # committed (finished by length), its one token not yet read
+    with pytest.raises(ValueError, match="has not finished"):
+        engine.release(request_id)
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.release(request_id).output_token_ids) == 1
+
+
+def test_a_progress_bar_leaves_no_thread_behind():
+    before = set(threading.enumerate())
+    sim_engine().generate([[5, 6, 7]] * 3, GREEDY, progress=True)
+    run_workload(sim_engine(), [WorkloadRequest([5, 6, 7], 4)], progress=True)
+    assert set(threading.enumerate()) <= before
+
+
+def test_numpy_token_ids_are_served_as_ints():
+    engine = sim_engine()
+    (numpy_ids,) = engine.generate([list(np.array([5, 6, 7]))], GREEDY)  # elements are np.int64
+    (plain,) = sim_engine().generate([[5, 6, 7]], GREEDY)
+    assert numpy_ids.output_token_ids == plain.output_token_ids
+    assert all(type(t) is int for t in numpy_ids.prompt_token_ids)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: sim_engine().generate([[5]], 5), TypeError, "params must be a SamplingParams or a list"),
+        (lambda: sim_engine(allocator_cls=int), TypeError, "allocator_cls must be a subclass of BlockAllocator"),
+        (lambda: sim_engine(scheduler_cls=dict), TypeError, "scheduler_cls must be a subclass of Scheduler"),
+        (lambda: make_workload("uniform", 3, vocab_size=100, special_ids=None), TypeError, "special_ids must be"),
+        (lambda: make_workload("uniform", 3, vocab_size=100, special_ids="ab"), TypeError, "special_ids must be"),
+        (lambda: make_workload("uniform", 3, vocab_size=100, seed=-1), ValueError, "seed must be >= 0"),
+        (lambda: make_workload("uniform", 3, tokenizer=object()), TypeError, "tokenizer must have an encode"),
+        (lambda: make_workload("uniform", 3, vocab_size=100, rate=1e-320), ValueError, "rate 1e-320 is too small"),
+        (lambda: parse_targets("ttft<=1e400"), ValueError, "finite number of seconds"),
+        (lambda: parse_targets("ttft<=5,ttft<=3"), ValueError, "given twice"),
+        (lambda: SimulatedModel(vocab_size=2500.5), TypeError, "vocab_size must be an int"),
+        (lambda: SimulatedModel(cost=5), TypeError, "cost must be a preset name or a CostModel"),
+        (lambda: SimulatedModel(mean_output_len=float("nan")), ValueError, "mean_output_len must be a finite"),
+    ],
+)
+def test_bad_values_are_named(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("ttft<=5.", 5.0), ("ttft<=.5", 0.5), ("tpot<=50ms", 0.05)])
+def test_targets_take_every_way_of_writing_a_number(text, seconds):
+    assert list(parse_targets(text).values()) == [pytest.approx(seconds)]

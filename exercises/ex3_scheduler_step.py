@@ -1,4 +1,4 @@
-"""Exercise 3 · A scheduler step with a token budget: decode first, then admit and chunk prefills.
+"""Exercise 3 · A scheduler step with a token budget: running requests first, then admit and chunk prefills.
 
 Before every model step the scheduler *plans* which requests run and how many tokens each computes.
 All of them share one budget, ``self.config.max_batch_tokens``. Fill in ``schedule_continuous``; the

@@ -28,4 +28,5 @@ def test_exercise(number: int, name: str) -> None:
     case = next(c for c in exercise.cases if c.name == name)
     failure = run_case(case, implementation)
     if failure is not None:
-        pytest.fail(failure.message(), pytrace=False)
+        where = f"; fill in exercises/{exercise.filename}" if failure.kind == "not started" else ""
+        pytest.fail(failure.message() + where, pytrace=False)

@@ -249,6 +249,14 @@ def test_ex2_planted_mistakes_are_named():
     assert "every one of its tokens goes to scratch_slot" in padding["padding rows write to the scratch slot"]
 
 
+def test_ex2_a_tensor_in_place_of_a_list_is_named():
+    _, messages = failing(
+        2, lambda segments, block_size, scratch: torch.tensor(slot_mapping(segments, block_size, scratch))
+    )
+    for text in messages.values():  # every case: the values are right, the type is not
+        assert "got:      a Tensor: tensor([" in text and "tensor.tolist() makes one" in text
+
+
 def test_ex2_a_diagnosis_that_cannot_run_is_not_the_learners_error():
     # Replaying "padding got real slots" on these segments needs blocks their tables lack: labkit's own
     # slot_mapping raises there, which must neither be blamed on the learner nor hide the real mismatch.
@@ -267,6 +275,8 @@ class LearnerScheduler(Scheduler):
     prefill_first = False
     max_seqs = True
     prompt_only = False  # admit a request with its prompt alone, not its prompt and generated tokens
+    preempts_itself = True  # the youngest request, short of a block, is its own victim and gets no chunk
+    skips_ahead = False  # admission passes a waiting request that cannot start, for a later one
 
     def schedule_continuous(self):
         cfg, allocator = self.config, self.allocator
@@ -284,7 +294,8 @@ class LearnerScheduler(Scheduler):
                 i += 1
                 continue
             end = request.num_computed_tokens + n
-            while allocator.blocks_needed(request.request_id, end) > allocator.num_free_blocks and live > i:
+            last_victim = i if self.preempts_itself else i + 1
+            while allocator.blocks_needed(request.request_id, end) > allocator.num_free_blocks and live > last_victim:
                 live -= 1
                 self.preempt(output, self.running[live])
             if live == i:
@@ -307,6 +318,8 @@ class LearnerScheduler(Scheduler):
             if n < wanted and not self.config.chunked_prefill:
                 break
             if not self.allocator.can_allocate(request.request_id, n):
+                if self.skips_ahead:
+                    continue
                 break
             self.allocator.allocate(request.request_id, n)
             output.admitted.append(request)
@@ -373,26 +386,66 @@ class IgnoresMaxNumSeqs(LearnerScheduler):
     max_seqs = False
 
 
+class NeverPreemptsItself(LearnerScheduler):
+    """Preempts only requests younger than the one that needs a block, then allocates for it regardless."""
+
+    preempts_itself = False
+
+
+class SkipsAheadInTheQueue(LearnerScheduler):
+    """Admits any waiting request that fits, passing one that does not."""
+
+    skips_ahead = True
+
+
 def test_ex3_a_scheduler_written_from_the_contract_passes():
     assert check(3, LearnerScheduler, quiet=True).passed
 
 
-def test_ex3_planted_mistakes_are_named():
-    _, over = failing(3, OverspendsByOne)
-    text = over["a step never schedules more than max_batch_tokens"]
-    assert "schedules 17 tokens, but max_batch_tokens is 16" in text
-    _, order = failing(3, PrefillFirst)
-    text = order["running requests decode before new prompts are admitted"]
-    assert "got:      step 2: prefill r2 [0:10]" in text and "only then admit from self.waiting" in text
-    _, seqs = failing(3, IgnoresMaxNumSeqs)
-    assert "but max_num_seqs is 2" in seqs["max_num_seqs caps the running requests"]
-    _, admits = failing(3, AdmitsAfterPreempting)
-    text = admits["admission stops when the free blocks run out"]
-    assert "step 2 preempts [1] and admits [2]" in text and "a step that preempts admits nothing new" in text
-    _, prompt_only = failing(3, AdmitsThePromptOnly)
-    text = prompt_only["a request that needs a block when none is free preempts the youngest"]
-    assert "expected: step 11: prefill r2 [0:13]" in text and "got:      step 11: prefill r2 [0:6]" in text
-    assert "recomputes all its request.num_tokens (its prompt and the tokens it generated)" in text
+@pytest.mark.parametrize(
+    ("planted", "case", "says"),
+    [
+        (
+            OverspendsByOne,
+            "a step never schedules more than max_batch_tokens",
+            ["schedules 17 tokens, but max_batch_tokens is 16"],
+        ),
+        (
+            PrefillFirst,
+            "running requests decode before new prompts are admitted",
+            ["got:      step 2: prefill r2 [0:10]", "only then admit from self.waiting"],
+        ),
+        (IgnoresMaxNumSeqs, "max_num_seqs caps the running requests", ["but max_num_seqs is 2"]),
+        (
+            AdmitsAfterPreempting,
+            "admission stops when the free blocks run out",
+            ["step 2 preempts [1] and admits [2]", "a step that preempts admits nothing new"],
+        ),
+        (
+            AdmitsThePromptOnly,
+            "a request that needs a block when none is free preempts the youngest",
+            [
+                "expected: step 11: prefill r2 [0:13]",
+                "got:      step 11: prefill r2 [0:6]",
+                "recomputes all its request.num_tokens (its prompt and the tokens it generated)",
+            ],
+        ),
+        (
+            NeverPreemptsItself,
+            "the youngest request, needing a block when none is free, preempts itself and runs nothing",
+            ["your code raised NoFreeBlocksError", "it gets no chunk this step: stop the walk"],
+        ),
+        (
+            SkipsAheadInTheQueue,
+            "admission stops at the first waiting request that cannot start",
+            ["got:      step 1: prefill r0 [0:8]; prefill r2 [0:3]", "jump the queue"],
+        ),
+    ],
+)
+def test_ex3_planted_mistakes_are_named(planted, case, says):
+    _, messages = failing(3, planted)
+    for text in says:
+        assert text in messages[case], messages[case]
 
 
 def test_ex3_a_plan_labkit_cannot_carry_out_is_named_before_the_model_runs():
@@ -518,6 +571,16 @@ def written_out(q, k, v, table, context_len, scale, *, visible=operator.le, soft
     return (scores.softmax(softmax_dim) @ values).to(q.dtype)
 
 
+def sdpa_is_causal(q, k, v, table, context_len, scale):
+    """F.scaled_dot_product_attention(is_causal=True): its mask is aligned to the top left, wrong when Q < K."""
+    heads, block_size = q.shape[0], k.shape[2]
+    blocks = torch.tensor(list(table[: -(-context_len // block_size)]))
+    keys, values = (
+        c[:, blocks].flatten(1, 2)[:, :context_len].repeat_interleave(heads // k.shape[0], 0) for c in (k, v)
+    )
+    return torch.nn.functional.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
+
+
 def ignores_scale(q, k, v, table, context_len, scale):
     return paged_attention(q, k, v, table, context_len, q.shape[-1] ** -0.5)
 
@@ -561,6 +624,7 @@ def test_ex5_planted_mistakes_are_named():
             id="mask-one-late",
         ),
         pytest.param(not_causal, "no causal mask", id="no-mask"),
+        pytest.param(sdpa_is_causal, "a causal mask aligned to the top left", id="sdpa-is-causal"),
         pytest.param(wrong_head_groups, "query head h reading KV head h % KV", id="gqa-modulo"),
         pytest.param(sorted_blocks, "reading the blocks in sorted order", id="sorted-blocks"),
         pytest.param(blocks_in_id_order, "reading blocks 0, 1, 2, ...", id="blocks-by-id"),
@@ -613,6 +677,7 @@ class RowByRow(Sampler):
     top_p_first = False  # top-p before top-k
     renormalise = True  # top-p on the probabilities top-k left, renormalised
     by_probability = True  # the inverse CDF walks the tokens in decreasing probability
+    temper_first = True  # the nucleus is taken from the tempered probabilities
 
     def sample_rows(self, logits, temperature, top_k, top_p, uniform):
         rows = zip(logits, temperature.tolist(), top_k.tolist(), top_p.tolist(), uniform.tolist(), strict=True)
@@ -624,7 +689,8 @@ class RowByRow(Sampler):
         keep = set(order)
         by_k = set(order[:top_k]) if top_k > 0 else keep
         for nucleus in (True, False) if self.top_p_first else (False, True):
-            keep &= self.nucleus(probs, order, keep, top_p) if nucleus else by_k
+            nucleus_of = probs if self.temper_first else logits.softmax(-1)
+            keep &= self.nucleus(nucleus_of, order, keep, top_p) if nucleus else by_k
         walk = [t for t in (order if self.by_probability else range(len(order))) if t in keep]
         target, mass = uniform * sum(float(probs[t]) for t in walk), 0.0
         for token in walk:
@@ -653,6 +719,20 @@ class TopPNotRenormalised(RowByRow):
 
 class CdfInVocabularyOrder(RowByRow):
     by_probability = False
+
+
+class TemperatureAfterTopP(RowByRow):
+    temper_first = False
+
+
+class FirstRowsTemperature(Sampler):
+    def sample_rows(self, logits, temperature, top_k, top_p, uniform):
+        return super().sample_rows(logits, temperature[:1].expand_as(temperature), top_k, top_p, uniform)
+
+
+class FirstRowsFilters(Sampler):
+    def sample_rows(self, logits, temperature, top_k, top_p, uniform):
+        return super().sample_rows(logits, temperature, top_k[:1].expand_as(top_k), top_p[:1].expand_as(top_p), uniform)
 
 
 def test_ex6_a_sampler_written_from_the_contract_passes():
@@ -690,6 +770,21 @@ class TopPKeepsTheTie(RowByRow):
                 kept.add(token)
             before += float(probs[token]) / total
         return kept
+
+
+def test_ex6_temperature_after_top_p_is_named():
+    text = only_failure(
+        6, TemperatureAfterTopP, "temperature comes first: the nucleus is taken from the tempered probabilities"
+    )
+    assert "expected: tokens drawn with shares {0: 0.43, 1: 0.335, 2: 0.235}" in text
+    assert "It never drew token(s) [2]" in text and "whose nucleus for top_p=0.75 is three tokens" in text
+
+
+def test_ex6_one_rows_parameters_for_every_row_is_named():
+    text = only_failure(6, FirstRowsTemperature, "each row of a batch uses its own temperature, top_k and top_p")
+    assert "rows with (0.5, 0, 1.0)" in text and "use row i's values for row i" in text
+    _, messages = failing(6, FirstRowsFilters)  # right alone, wrong in a batch: the rows' values, not randomness
+    assert "use row i's values for row i" in messages["a row draws the same token alone and in a batch"]
 
 
 def test_ex6_top_p_at_an_exact_tie_is_named():

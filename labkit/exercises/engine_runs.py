@@ -37,6 +37,10 @@ ALLOCATE_HINT = (
     " planning the chunk: self.allocator.allocate(request.request_id, num_tokens) covers the request's"
     " first num_tokens tokens"
 )
+STATIC_RESERVE_HINT = (
+    "a static batch's member reserves its whole future when it joins, before its prefill: allocate"
+    " num_prompt_tokens + params.max_new_tokens - 1 slots for it (the last token is never fed back)"
+)
 APPLY_HINT = (
     "after the model ran, Scheduler.update carries your plan out: it takes output.admitted off the front of"
     " self.waiting and output.preempted off the end of self.running, and frees the blocks of the requests that"
@@ -65,7 +69,7 @@ def plan_problem(engine: Engine, output: SchedulerOutput) -> tuple[str, str] | N
         slots = len(allocator.block_tables.get(request_id, ())) * allocator.block_size
         if slots < end:
             message = f"step {output.step} schedules {where}, but r{request_id}'s blocks hold {slots} tokens"
-            return message, ALLOCATE_HINT
+            return message, STATIC_RESERVE_HINT if engine.config.policy == "static" else ALLOCATE_HINT
     return None
 
 

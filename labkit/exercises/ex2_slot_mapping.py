@@ -30,8 +30,17 @@ def compare(fn: Any, raw: list[tuple[int, int, list[int], bool]], block_size: in
     expected = slot_mapping(segments, block_size, SCRATCH)
     showing(_describe(segments, block_size))
     got = fn(segments, block_size, SCRATCH)
-    if not isinstance(got, list) or got != expected:
-        if isinstance(got, list) and len(got) == len(expected):
+    if not isinstance(got, list):
+        kind = type(got).__name__
+        raise Mismatch(
+            _describe(segments, block_size),
+            f"a list of ints: {expected!r}",
+            f"a {kind}: {got!r}",
+            f"return a plain Python list of ints, one slot per packed token (the runner builds its tensor from it),"
+            f" not a {kind}" + (": tensor.tolist() makes one" if kind == "Tensor" else ""),
+        )
+    if got != expected:
+        if len(got) == len(expected):
             first = next(i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if a != b)
             segment, where = _token_at(segments, first)
             if segment.writes_cache and FORMULA not in hint:  # a real token is wrong: the formula is the rule broken

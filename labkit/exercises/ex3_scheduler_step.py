@@ -142,6 +142,22 @@ CASES = [
         f" preempted. Later, {RECOMPUTE_HINT}",
         num_blocks=9,
     ),
+    _case(
+        "the youngest request, needing a block when none is free, preempts itself and runs nothing",
+        [(4, 6), (4, 6)],
+        "while a running request needs more blocks than are free, preempt from the end of self.running; when the"
+        " victim is that very request (nothing younger is left), it gets no chunk this step: stop the walk"
+        " there, before allocating",
+        num_blocks=5,
+    ),
+    _case(
+        "admission stops at the first waiting request that cannot start",
+        [(8, 4), (16, 2), (3, 2)],
+        "admit from the front of self.waiting and stop at the first request that cannot start (here: not enough"
+        " free blocks for its prompt); admitting a later, smaller one instead would let it jump the queue, and"
+        " a long request could wait for ever",
+        num_blocks=5,
+    ),
     property_case("random workloads are scheduled like labkit's scheduler", _strategy, _property, max_examples=40),
 ]
 

@@ -181,6 +181,13 @@ MISTAKES = [
         lambda s, scale: dense_attention(s, scale, sees=1),
     ),
     Mistake(
+        "a causal mask aligned to the top left: query i sees keys 0 .. i (F.scaled_dot_product_attention's"
+        " is_causal=True, or torch.tril(ones(Q, K)), when there are fewer queries than keys)",
+        "the queries are the last Q positions of the context: query i sits at position context_len - Q + i and sees"
+        " the keys up to there; build that mask yourself (and pass it as attn_mask=)",
+        lambda s, scale: dense_attention(s, scale, sees=s["query"].shape[1] - s["context_len"]),
+    ),
+    Mistake(
         "no causal mask",
         "in a prefill chunk a query must not see the keys of the tokens after it; set their scores to -inf",
         lambda s, scale: dense_attention(s, scale, causal=False),

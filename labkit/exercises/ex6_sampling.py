@@ -123,7 +123,39 @@ def _batch_invariance(cls: Any) -> None:
             raise Mismatch(text, f"the same tokens on every call: {together}", f"{together} then {again}", hint)
     alone = [_draw(sampler, [r[0]], [r[1]], [r[2]])[0] for r in rows]
     if together != alone:
-        raise Mismatch(text, f"the same tokens in a batch as alone: {alone}", f"{together} in the batch", hint)
+        from labkit.runtime.sampling import Sampler
+
+        # Right alone but not together: the rows' parameters are mixed up, not the random numbers.
+        per_row = alone == _draw(Sampler(), *batch)
+        raise Mismatch(
+            text,
+            f"the same tokens in a batch as alone: {alone}",
+            f"{together} in the batch",
+            PER_ROW_HINT if per_row else hint,
+        )
+
+
+SETTINGS = [(1.0, 0, 1.0), (0.5, 0, 1.0), (2.0, 0, 1.0), (1.0, 2, 1.0), (1.0, 0, 0.75), (2.0, 3, 0.9)]
+
+
+def _own_parameters(cls: Any) -> None:
+    """One batch holding a uniform sweep for each of several (temperature, top_k, top_p): each must draw as alone."""
+    from labkit.runtime.sampling import Sampler
+
+    logits = [math.log(p) for p in PROBS]
+    text = (
+        f"logits = log({PROBS}) in every row; one batch of {len(SETTINGS)} x {len(GRID)} rows: for each"
+        f" (temperature, top_k, top_p) in {SETTINGS}, the uniform swept over {len(GRID)} values"
+    )
+    showing(text)
+    params = [setting for setting in SETTINGS for _ in GRID]
+    batch = [logits] * len(params), params, GRID * len(SETTINGS)
+    got, expected = _draw(cls(), *batch), _draw(Sampler(), *batch)
+    for i, setting in enumerate(SETTINGS):
+        rows = slice(i * len(GRID), (i + 1) * len(GRID))
+        if got[rows] != expected[rows]:
+            want = f"rows with {setting}: tokens drawn with shares {_shares(expected[rows])}"
+            raise Mismatch(text, want, f"shares {_shares(got[rows])}", PER_ROW_HINT)
 
 
 def _strategy() -> Any:
@@ -148,6 +180,10 @@ def _property(cls: Any, example: Any) -> None:
         raise Mismatch(text, f"token {expected[0]}", f"token {got[0]}", STEPS_HINT)
 
 
+PER_ROW_HINT = (
+    "each row has its own temperature, top_k and top_p: use row i's values for row i (e.g. logits /"
+    " temperature[:, None], and a cut-off per row for top_k and top_p), never the first row's for all"
+)
 TEMPERATURE_HINT = "divide the logits by the temperature before the softmax: below 1 sharpens, above 1 flattens"
 TOP_K_HINT = "keep the top_k most likely tokens (all of them when top_k == 0), renormalise, then draw"
 TOP_P_HINT = (
@@ -195,6 +231,16 @@ CASES = [
     distribution_case("top_p always keeps the most likely token", TOP_P_HINT, PROBS, 1.0, 0, 0.01),
     Case("a nucleus whose mass equals top_p exactly keeps no further token", _top_p_tie, TOP_P_TIE_HINT),
     distribution_case(
+        "temperature comes first: the nucleus is taken from the tempered probabilities",
+        "divide the logits by the temperature before everything else: at temperature 2 the probabilities"
+        " [0.5, 0.3, 0.15, 0.05] flatten to about [0.38, 0.29, 0.21, 0.12], whose nucleus for top_p=0.75 is"
+        " three tokens (the untempered one is two); the order in labkit is temperature, top_k, top_p",
+        PROBS,
+        2.0,
+        0,
+        0.75,
+    ),
+    distribution_case(
         "top_k, then top_p on the renormalised rest",
         "apply top_k first, renormalise what is left, then top_p on that: here top_k=2 leaves 0.4 and 0.3,"
         " renormalised 0.57 and 0.43, so top_p=0.5 keeps token 0 alone (top_p first, or on the probabilities"
@@ -204,6 +250,7 @@ CASES = [
         2,
         0.5,
     ),
+    Case("each row of a batch uses its own temperature, top_k and top_p", _own_parameters, PER_ROW_HINT),
     Case(
         "a row draws the same token alone and in a batch",
         _batch_invariance,

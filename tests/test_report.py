@@ -1,6 +1,7 @@
 """StepReport: the plain-data record of a step, its JSON round trip, and its description in words."""
 
 import json
+import re
 
 import pytest
 
@@ -122,6 +123,62 @@ def test_load_trace_refuses_an_unknown_version(tmp_path):
     path.write_text(json.dumps({"version": 99, "meta": {}, "steps": []}))
     with pytest.raises(ValueError, match="unsupported trace version 99"):
         load_trace(path)
+
+
+def write_trace(path, steps, **payload):
+    path.write_text(json.dumps({"version": 1, "meta": {}, "steps": steps} | payload))
+    return path
+
+
+def edited(change):
+    """The first step of a real run, as JSON, with ``change`` applied to it."""
+    step = json.loads(json.dumps(engine_reports("continuous")[0].to_dict()))
+    change(step)
+    return step
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda s: s.update(admitted=5), "'admitted' must be a list of request ids"),
+        (lambda s: s.update(preempted=None), "'preempted' must be a list of request ids"),
+        (lambda s: s.update(admitted=["0"]), "a request id in 'admitted' must be an integer"),
+        (lambda s: s["scheduled"][0].__setitem__(0, "x"), "a scheduled item's request id must be an integer"),
+        (lambda s: s["scheduled"][0].__setitem__(3, "no"), "is_prefill must be true or false"),
+        (lambda s: s["scheduled"][0].__setitem__(2, -1), "must be >= 0"),
+        (lambda s: s["block_events"][0].__setitem__(0, "bogus"), "block event kind 'bogus' is not one of"),
+        (lambda s: s["block_events"][0].__setitem__(2, [1]), "a block event's request id must be an integer"),
+        (lambda s: s.update(block_size=0), "block_size must be >= 1"),
+        (lambda s: s.update(num_free_blocks=99), "num_free_blocks (99) must be in [0, num_blocks = 10]"),
+        (lambda s: s.update(finished={"0": 3}), "request 0 finished for 3"),
+        (lambda s: s.update(gpu_util="high"), "gpu_util must be a number or null"),
+    ],
+)
+def test_a_trace_step_that_a_widget_could_not_draw_is_refused(tmp_path, change, message):
+    path = write_trace(tmp_path / "bad.json", [edited(change)])
+    with pytest.raises(ValueError, match=re.escape(message)) as refused:
+        load_trace(path)
+    assert "step 0:" in str(refused.value)
+
+
+def test_a_trace_whose_steps_disagree_on_the_cache_is_refused(tmp_path):
+    steps = [r.to_dict() for r in engine_reports("continuous")[:2]]
+    steps[1]["num_blocks"] = 100
+    with pytest.raises(ValueError, match=r"the steps disagree on the cache's \(num_blocks, block_size\)"):
+        load_trace(write_trace(tmp_path / "two.json", steps))
+
+
+def test_a_json_object_that_is_not_a_trace_is_named(tmp_path):
+    (tmp_path / "other.json").write_text(json.dumps({"a": 1}))
+    with pytest.raises(ValueError, match="not a labkit trace"):
+        load_trace(tmp_path / "other.json")
+    with pytest.raises(ValueError, match="unsupported trace version True"):
+        load_trace(write_trace(tmp_path / "bool.json", [], version=True))
+
+
+def test_metadata_may_use_any_name(tmp_path):
+    path = save_trace(tmp_path / "meta.json", [], path="elsewhere", reports=3)
+    assert load_trace(path) == ([], {"path": "elsewhere", "reports": 3})
 
 
 def test_padding_rows_say_whether_they_pad_a_prefill_or_a_decode():

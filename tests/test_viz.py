@@ -15,6 +15,7 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import plotly.graph_objects as go
 import pytest
 
@@ -265,6 +266,79 @@ def test_blockmap_rejects_bad_input() -> None:
         BlockMap(replay.recorder, speed=0)
     with pytest.raises(ValueError, match="columns"):
         BlockMap(replay.recorder, columns=0)
+
+
+def test_a_widget_made_again_for_the_same_run_takes_over_from_the_old_one() -> None:
+    engine = make_engine()
+    old, timeline = BlockMap(engine, min_redraw_seconds=0), Timeline(engine)
+    new = BlockMap(engine, min_redraw_seconds=0)  # the same cell, run again
+    for widget in (old, new, timeline):
+        widget.widget  # noqa: B018
+    assert record(engine).subscribers == [timeline._on_report, new._on_report]
+    run(engine)
+    assert new.position == len(record(engine).reports) and old.position == 0  # the old one stopped following
+    old.close()  # nothing left to stop
+    assert record(engine).subscribers == [timeline._on_report, new._on_report]
+
+
+def test_blockmap_counts_a_shared_blocks_slots_once() -> None:
+    config = EngineConfig(block_size=4, num_blocks=32, max_batch_tokens=64, enable_prefix_caching=True)
+    engine = Engine(SimulatedModel(), config)
+    blocks = BlockMap(engine)
+    prefix = list(range(2, 18))  # four full blocks that every request shares
+    engine.generate([[*prefix, 40 + i] for i in range(4)], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    for position in range(1, len(blocks.history) + 1):
+        used = engine.num_blocks - blocks.report(position).num_free_blocks
+        filled = sum(c.filled for c in blocks.cells(position) if c.owner is not None)
+        assert f"{used}/32 blocks in use, {filled}/{used * 4} of their slots filled" in blocks._title(
+            blocks.history.state(position)
+        )
+        assert filled <= used * 4
+
+
+def test_blockmap_refuses_a_recording_that_starts_with_cached_blocks() -> None:
+    config = EngineConfig(block_size=4, num_blocks=32, max_batch_tokens=64, enable_prefix_caching=True)
+    engine = Engine(SimulatedModel(), config)
+    engine.generate([list(range(2, 18))], SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm-up, unrecorded
+    assert engine.num_free_blocks == engine.num_blocks and engine.num_cached_blocks > 0
+    with pytest.raises(ValueError, match="blocks in the prefix cache from an earlier run"):
+        BlockMap(engine)
+
+
+def test_a_recorder_keeps_to_one_run() -> None:
+    first, second = make_engine(), make_engine()
+    recorder = record(first)
+    run(first)
+    recorder.detach()
+    with pytest.raises(ValueError, match="holds another run already"):
+        recorder.attach(second)
+    recorder.attach(first)  # the same run, followed again
+    assert recorder.live
+
+
+def test_widget_arguments_are_named() -> None:
+    engine = make_engine()
+    recorder = record(engine)
+    run(engine)
+    blocks = BlockMap(recorder)
+    blocks.show(np.int64(2))  # numpy's integers are positions too
+    assert blocks.position == 2
+    with pytest.raises(TypeError, match="min_redraw_seconds must be a number"):
+        BlockMap(record(engine), min_redraw_seconds="a")
+    with pytest.raises(TypeError, match="pass several runs as a dict"):
+        Timeline([make_engine(), make_engine()])
+
+
+def test_a_thinned_out_throughput_plot_ends_where_the_run_ended() -> None:
+    engine = make_engine(num_blocks=64)
+    recorder = record(engine)
+    run(engine)
+    live = LiveThroughput(recorder, max_points=7)
+    times = live.series()["run"]["time"]
+    stride = -(-len(times) // 7)
+    assert (len(times) - 1) % stride, "every stride-th point would include the last: the test shows nothing"
+    fig = live.figure()
+    assert fig.data[0].x[-1] == times[-1] and len(fig.data[0].x) <= 8
 
 
 # ---------------------------------------------------------------------------------------------- recorder

@@ -31,6 +31,8 @@ from typing import NamedTuple
 from labkit.core.prefix_cache import PrefixCache, PrefixCacheStats, PrefixMatch
 from labkit.core.request import Request
 
+BLOCK_EVENT_KINDS = ("alloc", "free", "hit", "release", "cache", "evict")
+
 
 class BlockEvent(NamedTuple):
     """One change to a block, as drawn by the block map. ``kind`` is one of:

@@ -144,6 +144,12 @@ class Engine:
         return self.allocator.num_free_blocks
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Blocks whose keys and values the prefix cache indexes, in use or reusable (0 with caching off)."""
+        cache = getattr(self.allocator, "prefix_cache", None)
+        return 0 if cache is None else len(cache.digest_of)
+
+    @property
     def device_name(self) -> str:
         return self.runner.device_name
 

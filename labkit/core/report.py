@@ -12,8 +12,9 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from labkit.core.blocks import BlockEvent
+from labkit.core.blocks import BLOCK_EVENT_KINDS, BlockEvent
 from labkit.core.prefix_cache import PrefixCacheStats
+from labkit.core.request import FINISH_REASONS
 
 TRACE_VERSION = 1
 
@@ -151,17 +152,45 @@ class StepReport:
             data["finished"] = {int(k): v for k, v in data.get("finished", {}).items()}
         except (AttributeError, TypeError, ValueError):
             raise ValueError("'finished' must map request ids to finish reasons") from None
+        for name in ("admitted", "preempted"):
+            if not isinstance(data.get(name, []), list):
+                raise ValueError(f"{name!r} must be a list of request ids, got {_json_type(data[name])}")
+            for request_id in data.get(name, []):
+                _check(f"a request id in {name!r}", request_id, int, "an integer")
         if data.get("prefix_cache") is not None:
             data["prefix_cache"] = _prefix_cache_stats(data["prefix_cache"])
+        if data.get("gpu_util") is not None:
+            _check("gpu_util", data["gpu_util"], (int, float), "a number or null")
         report = cls(**data)
-        for work in report.scheduled + report.padding:
+        report._check_values()
+        return report
+
+    def _check_values(self) -> None:
+        """What a widget relies on, beyond the types of the top-level fields (see :meth:`from_dict`)."""
+        if self.num_blocks < 0 or not 0 <= self.num_free_blocks <= self.num_blocks:
+            raise ValueError(f"num_free_blocks ({self.num_free_blocks}) must be in [0, num_blocks = {self.num_blocks}]")
+        if self.num_blocks and self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        for work in self.scheduled + self.padding:
+            _check("a scheduled item's request id", work.request_id, int, "an integer")
             for name in ("start", "num_tokens"):
                 _check(f"a scheduled item's {name}", getattr(work, name), int, "an integer")
-        for event in report.block_events:
+            if work.start < 0 or work.num_tokens < 0:
+                raise ValueError(f"a scheduled item's start and num_tokens must be >= 0, got {list(work)}")
+            if not isinstance(work.is_prefill, bool):
+                raise ValueError(f"a scheduled item's is_prefill must be true or false, got {work.is_prefill!r}")
+            if work.token is not None:
+                _check("a scheduled item's token", work.token, int, "an integer or null")
+        for request_id, reason in self.finished.items():
+            if reason not in FINISH_REASONS:
+                raise ValueError(f"request {request_id} finished for {reason!r}; a reason is one of {FINISH_REASONS}")
+        for event in self.block_events:
+            if event.kind not in BLOCK_EVENT_KINDS:
+                raise ValueError(f"block event kind {event.kind!r} is not one of {BLOCK_EVENT_KINDS}")
+            _check("a block event's request id", event.request_id, int, "an integer")
             _check("a block event's block id", event.block_id, int, "an integer")
-            if not 0 <= event.block_id < report.num_blocks:
-                raise ValueError(f"block id {event.block_id} is outside the cache's blocks [0, {report.num_blocks})")
-        return report
+            if not 0 <= event.block_id < self.num_blocks:
+                raise ValueError(f"block id {event.block_id} is outside the cache's blocks [0, {self.num_blocks})")
 
 
 _FIELDS = frozenset(f.name for f in fields(StepReport))
@@ -242,7 +271,7 @@ class TraceError(ValueError):
         super().__init__(f"cannot read trace {str(path)!r}: {problem}")
 
 
-def save_trace(path: str | Path, reports: Iterable[StepReport], **meta: Any) -> Path:
+def save_trace(path: str | Path, reports: Iterable[StepReport], /, **meta: Any) -> Path:
     """Write step reports (and any JSON-able metadata, e.g. device, policy, outputs) to a JSON trace."""
     path = Path(path)
     payload = {"version": TRACE_VERSION, "meta": meta, "steps": [r.to_dict() for r in reports]}
@@ -265,8 +294,11 @@ def load_trace(path: str | Path) -> tuple[list[StepReport], dict[str, Any]]:
         raise TraceError(path, problem) from None
     if not isinstance(payload, dict):
         raise TraceError(path, f"expected a JSON object with 'version', 'meta' and 'steps', got {_json_type(payload)}")
-    if payload.get("version") != TRACE_VERSION:
-        raise TraceError(path, f"unsupported trace version {payload.get('version')!r} (expected {TRACE_VERSION})")
+    if "steps" not in payload or "version" not in payload:
+        raise TraceError(path, "not a labkit trace: a JSON object with 'version', 'meta' and 'steps' was expected")
+    version = payload["version"]
+    if type(version) is not int or version != TRACE_VERSION:
+        raise TraceError(path, f"unsupported trace version {version!r} (expected {TRACE_VERSION})")
     steps, meta = payload.get("steps"), payload.get("meta", {})
     if not isinstance(steps, list):
         raise TraceError(path, f"'steps' must be a list of steps, got {_json_type(steps)}")
@@ -278,6 +310,9 @@ def load_trace(path: str | Path) -> tuple[list[StepReport], dict[str, Any]]:
             reports.append(StepReport.from_dict(step))
         except ValueError as error:
             raise TraceError(path, f"step {index}: {error}") from None
+    sizes = {(r.num_blocks, r.block_size) for r in reports}
+    if len(sizes) > 1:
+        raise TraceError(path, f"the steps disagree on the cache's (num_blocks, block_size): {sorted(sizes)}")
     return reports, meta
 
 

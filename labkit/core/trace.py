@@ -10,6 +10,7 @@ anywhere. Plain Python like the rest of the core: a GPU machine with no widget l
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -43,6 +44,7 @@ class Recorder:
         self.meta: dict[str, Any] = meta
         self.subscribers: list[Callable[[StepReport], None]] = []
         self.engine: Any = None
+        self._recorded: weakref.ref[Any] | None = None  # the engine whose run the reports are
 
     # ------------------------------------------------------------------ live recording
     def attach(self, engine: Any) -> Recorder:
@@ -51,6 +53,8 @@ class Recorder:
             raise TypeError(f"expected an Engine (with step_listeners), got {type(engine).__name__}")
         if self.engine is not None:
             raise ValueError("this recorder is already attached to an engine")
+        if self.reports and (self._recorded is None or self._recorded() is not engine):
+            raise ValueError("this recorder holds another run already; record this engine with a new Recorder")
         config = engine.config
         self.meta.update(
             policy=config.policy,
@@ -61,8 +65,10 @@ class Recorder:
             max_num_seqs=config.max_num_seqs,
             chunked_prefill=config.chunked_prefill,
             free_blocks_at_start=engine.num_free_blocks,
+            cached_blocks_at_start=getattr(engine, "num_cached_blocks", 0),
         )
         self.engine = engine
+        self._recorded = weakref.ref(engine)
         self._note_requests()
         engine.step_listeners.append(self)
         return self

@@ -127,6 +127,8 @@ class Throttle:
     """Lets a live widget redraw at most every ``seconds`` of wall time: a GPU steps faster than a browser draws."""
 
     def __init__(self, seconds: float) -> None:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+            raise TypeError(f"min_redraw_seconds must be a number of seconds, got {type(seconds).__name__}")
         if not seconds >= 0:
             raise ValueError(f"redraw interval must be >= 0 seconds, got {seconds}")
         self.seconds = seconds

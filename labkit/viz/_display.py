@@ -63,12 +63,17 @@ class Displayable:
         """Hear about every new report of the live ones among ``recorders``."""
         self._recorders = tuple(r for r in recorders if r.live)
         for recorder in self._recorders:
+            # One widget of a kind follows a run: a cell run again makes a new one, and the old one stops
+            # following (it keeps its last picture) instead of redrawing beside it at every step.
+            others = [s for s in recorder.subscribers if type(getattr(s, "__self__", None)) is not type(self)]
+            recorder.subscribers[:] = others
             recorder.subscribers.append(self._on_report)
 
     def close(self) -> None:
-        """Stop following live runs and close the widget (re-running a cell otherwise leaves old ones redrawing)."""
+        """Stop following live runs and close the widget."""
         for recorder in self._recorders:
-            recorder.subscribers.remove(self._on_report)
+            if self._on_report in recorder.subscribers:  # a newer widget of this kind may have taken over
+                recorder.subscribers.remove(self._on_report)
         self._recorders = ()
         if self._widget is not None:
             self._widget.close()

@@ -61,6 +61,11 @@ class BlockMap(Displayable):
         num_blocks = self.recorder.num_blocks
         if self.recorder.meta.get("free_blocks_at_start", num_blocks) != num_blocks:
             raise ValueError("the recording started with blocks already in use; attach before the engine's first step")
+        if self.recorder.meta.get("cached_blocks_at_start", 0):
+            raise ValueError(
+                "the recording started with blocks in the prefix cache from an earlier run, which no report"
+                " shows; attach before the engine's first step"
+            )
         if columns is None:  # about twice as wide as tall, cells big enough to read while they fit
             columns = min(num_blocks, 16) if num_blocks <= 256 else 32 if num_blocks <= 1024 else None
             columns = columns or math.ceil(math.sqrt(2 * num_blocks))
@@ -182,13 +187,13 @@ class BlockMap(Displayable):
             return f"KV cache before the first step: {state.num_blocks} blocks x {state.block_size} slots"
         step = self.recorder.reports[state.num_applied - 1].step
         used = state.num_blocks - self.recorder.reports[state.num_applied - 1].num_free_blocks
-        filled = sum(state.computed.values())
+        cells = state.cells()
+        filled = sum(c.filled for c in cells if c.owner is not None)  # a shared block's slots count once
         title = (
             f"KV cache after step {step}: {used}/{state.num_blocks} blocks in use,"
             f" {filled}/{used * state.block_size} of their slots filled"
         )
         if state.cached:
-            cells = state.cells()
             shared = sum(1 for c in cells if c.refs > 1)
             reusable = sum(1 for c in cells if c.owner is None and c.block_id in state.cached)
             title += f"; {shared} shared, {reusable} cached and reusable"

@@ -9,6 +9,7 @@ a saved trace can be replayed, and stepped backwards, anywhere.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -180,7 +181,7 @@ class CacheHistory:
 
     def check(self, position: int) -> None:
         """Raise unless ``position`` is a number of recorded steps: 0 to ``len(history)``."""
-        if isinstance(position, bool) or not isinstance(position, int):
+        if isinstance(position, bool) or not isinstance(position, numbers.Integral):
             raise TypeError(f"position must be an int, got {type(position).__name__}")
         if not 0 <= position <= len(self):
             raise ValueError(f"position must be in [0, {len(self)}], got {position}")

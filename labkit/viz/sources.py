@@ -35,7 +35,10 @@ def as_recorder(source: Any) -> Recorder:
     if hasattr(source, "step_listeners"):
         return record(source)
     if isinstance(source, Iterable) and not isinstance(source, (bytes, Mapping)):
-        return Recorder(source)
+        reports = list(source)
+        if any(hasattr(item, "step_listeners") for item in reports):
+            raise TypeError("got a list of engines; pass several runs as a dict, e.g. {'continuous': e1, 'static': e2}")
+        return Recorder(reports)
     raise TypeError(
         f"expected an Engine, a Recorder, a trace file path or a list of StepReports, got {type(source).__name__}"
     )

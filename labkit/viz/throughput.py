@@ -143,7 +143,7 @@ class LiveThroughput(Displayable):
         for series in self.series().values():
             stride = max(1, -(-len(series["time"]) // self.max_points))
             for name in SERIES:
-                next(traces).update(x=series["time"][::stride], y=series[name][::stride])
+                next(traces).update(x=_every(series["time"], stride), y=_every(series[name], stride))
         fig.layout.title.text = self._title()
 
     def summary_html(self) -> str:
@@ -192,3 +192,11 @@ class LiveThroughput(Displayable):
             with self._view.batch_update() as fig:
                 self._fill(fig)
             self._summary.value = self.summary_html()
+
+
+def _every(values: list[float], stride: int) -> list[float]:
+    """Every ``stride``-th value, and the last one: a thinned-out plot still ends where the run ended."""
+    picked = values[::stride]
+    if (len(values) - 1) % stride:
+        picked.append(values[-1])
+    return picked

@@ -8,7 +8,8 @@ The package is layered, and each layer imports only the ones below it:
 * ``labkit.viz`` - widgets that draw StepReports; ``labkit.models`` - the bundled model and loaders;
   ``labkit.exercises`` - the learners' checker.
 
-``import labkit`` loads only the core; the other subpackages load on first use (``labkit.viz.BlockMap``).
+``import labkit`` loads only the core (and ``generate_batch``'s torch-free front); the other subpackages
+load on first use (``labkit.viz.BlockMap``).
 """
 
 from __future__ import annotations

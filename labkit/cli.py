@@ -139,7 +139,7 @@ def demo_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="labkit demo",
         description="Step the engine through continuous and static batching on the same requests and print"
-        " what every step did.",
+        " what each step did (the first --steps of each policy).",
     )
     parser.add_argument(
         "--model",

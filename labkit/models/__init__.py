@@ -93,8 +93,8 @@ def load(name_or_path: str | Path, device: str | torch.device = "auto", dtype: A
     """Load a causal LM and its tokenizer, in eval mode on ``device``; return ``(model, tokenizer)``.
 
     ``name_or_path`` is a built-in name (see ``available_models()``), a local checkpoint directory, or
-    a Hugging Face hub id. ``dtype`` is a torch dtype or its name; ``None`` picks float32 on the CPU and
-    bfloat16 elsewhere.
+    a Hugging Face hub id. ``dtype`` is a torch dtype or its name; ``None`` picks float32 on the CPU, bfloat16 on
+    GPUs that compute in it (sm80+) and float16 on older ones (a T4).
     """
     target = resolve_device(device)
     dtype = _resolve_dtype(dtype, target)

@@ -60,6 +60,33 @@ def test_priority_a_better_request_takes_the_blocks_it_needs_from_worse_ones():
     assert engine.requests[low].finish_reason == "length" and engine.requests[low].metrics.num_preemptions == 1
 
 
+def test_priority_a_newcomer_never_takes_the_blocks_of_a_request_that_outranks_it():
+    # A full cache: high (priority 0) is halfway through its prompt, two worse ones (2) hold the rest.
+    engine = engine_for("priority", block_size=2, num_blocks=7, max_batch_tokens=8, max_num_seqs=8)
+    worse = [engine.add_request(p, SamplingParams(max_new_tokens=8, priority=2)) for p in ([7, 8], [7, 9, 9, 9])]
+    engine.step()
+    high = engine.add_request(list(range(2, 14)), SamplingParams(max_new_tokens=2, priority=0))
+    engine.step()
+    assert engine.num_free_blocks == 0
+    middle = engine.add_request([20, 21, 22], SamplingParams(max_new_tokens=2, priority=1))
+    report = engine.step()
+    assert high not in report.preempted and high in {w.request_id for w in report.scheduled}  # its prompt goes on
+    assert set(report.preempted) <= set(worse) and middle not in report.preempted
+    run_to_completion(engine)
+    assert engine.requests[high].metrics.num_preemptions == 0
+
+
+def test_priority_a_newcomer_never_takes_the_budget_of_a_request_that_outranks_it():
+    engine = engine_for("priority", num_blocks=16, max_batch_tokens=4, max_num_seqs=4)
+    high = engine.add_request([5, 6], SamplingParams(max_new_tokens=8, priority=0))
+    engine.add_request([7, 8], SamplingParams(max_new_tokens=8, priority=2))
+    engine.step()
+    middle = engine.add_request(list(range(2, 12)), SamplingParams(max_new_tokens=2, priority=1))
+    report = engine.step()
+    assert report.admitted == [middle]
+    assert [w.request_id for w in report.scheduled] == [high, middle]  # the better decode first, then its chunk
+
+
 def test_priority_with_prefix_caching_counts_only_the_uncached_tokens_of_a_better_request():
     # Without chunked prefill a request must compute its prompt in one step. The second better request's
     # prompt (14 tokens) is longer than the budget the first leaves (8), but 12 of them are cached: it

@@ -395,6 +395,14 @@ class EngineMachine(RuleBasedStateMachine):
                     assert all(a == p or rank[a] < rank[p] for p in report.preempted), "displaced a better request"
             else:
                 assert report.admitted == [], "admitted new work in a step that had to evict"
+        if self.scheduling == "priority" and report.admitted and config.chunked_prefill:
+            # Served in rank order: a running request that outranks a newcomer ran before it took any budget.
+            scheduled = {w.request_id for w in report.scheduled}
+            stayed = [r for r in self.engine.scheduler.running if r.request_id not in report.admitted]
+            worst_admitted = max((self.engine.requests[a].params.priority, a) for a in report.admitted)
+            for request in stayed:
+                if (request.params.priority, request.request_id) < worst_admitted:
+                    assert request.request_id in scheduled, "a newcomer ran before a better running request"
         for work in report.scheduled:
             request = self.engine.requests[work.request_id]
             if request.state is not RequestState.WAITING:

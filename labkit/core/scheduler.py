@@ -313,37 +313,40 @@ class Scheduler:
         lowest-ranked) is preempted (:meth:`preempt`). Then waiting requests are admitted in the queue's
         order while budget, ``max_num_seqs`` and free blocks allow, unless this step preempted. A prompt
         that does not fit the budget is chunked when ``chunked_prefill`` is on, and otherwise waits for a
-        step with room. Under ``"priority"``, waiting requests that outrank the last running one are
-        admitted first, displacing it if they must.
+        step with room. Under ``"priority"`` requests are served in rank order, running or waiting: a
+        waiting request that outranks the next running one is admitted before it, displacing the
+        lowest-ranked running requests if it must.
         """
         cfg, allocator, running = self.config, self.allocator, self.running
         output = SchedulerOutput(step=self.step_index + 1, chunks=[])
         budget = cfg.max_batch_tokens
         waiting = iter(self.waiting)  # admissions take the queue's head in order, across both loops below
         head = next(waiting, None)
+        displacing = self.waiting.preempts  # priority: a better waiting request may displace running ones
 
         end_of_running = len(running)  # victims leave from the end: running[end_of_running:]
-        if self.waiting.preempts:  # priority: a waiting request that outranks the last running one goes first
-            while head is not None and budget > 0 and end_of_running > 0:
-                last = running[end_of_running - 1]
-                if not self.waiting.outranks(head, last):
-                    break
-                if used := self._admit(output, head, budget, end_of_running):
-                    budget -= used
-                    head = next(waiting, None)
-                elif not cfg.chunked_prefill and head.num_tokens - self._cached_prefix(head)[1] > budget:
-                    break  # what it must compute needs a step with more budget, not more room
-                else:  # displace the lowest-ranked running request
-                    end_of_running -= 1
-                    self.preempt(output, last)
-        displaced = len(output.preempted)
-
-        i = 0
         # A failed step's victims (still the end of the list, unless aborted since) must not run.
         num_evict_first = sum(1 for r in self.evict_first if r.state is not RequestState.FINISHED)
-        end_of_runnable = min(end_of_running, len(running) - num_evict_first)
+        end_of_runnable = len(running) - num_evict_first
+        for_room = False  # a request was preempted for another's blocks (not displaced by a better one)
+        i = 0
         while i < end_of_runnable and budget > 0:
             request = running[i]
+            if displacing and head is not None and self.waiting.outranks(head, request):
+                # The head outranks this request and every one after it: it goes first, displacing the
+                # lowest-ranked running requests until it fits.
+                while not (used := self._admit(output, head, budget, end_of_running)) and end_of_running > i:
+                    if not cfg.chunked_prefill and head.num_tokens - self._cached_prefix(head)[1] > budget:
+                        break  # what it must compute needs a step with more budget, not more room
+                    end_of_running -= 1
+                    self.preempt(output, running[end_of_running])
+                end_of_runnable = min(end_of_runnable, end_of_running)
+                if not used:  # it cannot start this step: the requests it outranks run as usual
+                    displacing = False
+                    continue
+                budget -= used
+                head = next(waiting, None)
+                continue
             remaining = request.num_tokens - request.num_computed_tokens
             num_tokens = min(remaining, budget)
             if num_tokens < remaining and not cfg.chunked_prefill:
@@ -354,6 +357,7 @@ class Scheduler:
             while needed and needed > allocator.num_free_blocks and end_of_running > i:
                 end_of_running -= 1
                 self.preempt(output, running[end_of_running])  # the most recently admitted, or lowest-ranked
+                for_room = True
             if end_of_running == i:  # preempted itself: nothing younger was left
                 break
             end_of_runnable = min(end_of_runnable, end_of_running)
@@ -364,11 +368,12 @@ class Scheduler:
         while end_of_running > end_of_runnable:  # the failed step's victims that nothing has evicted yet
             end_of_running -= 1
             self.preempt(output, running[end_of_running])
+            for_room = True
 
         # Admit new work only when no running request had to be preempted for blocks: otherwise we would
         # evict and admit at once. (Displacing lower-ranked requests for a better one, above, is the point;
         # but the room a victim left goes to no one it outranks: it waits ahead of them.)
-        if len(output.preempted) == displaced:
+        if not for_room:
             victims = output.preempted
             while (
                 head is not None

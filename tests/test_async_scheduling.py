@@ -13,6 +13,7 @@ Threads: torch runs on 1 thread (conftest).
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 from collections import Counter
@@ -192,6 +193,28 @@ def test_an_interrupted_token_read_is_read_again() -> None:
     expected, _, _ = serve(SimulatedModel(mean_output_len=6.0), prompts, params, max_num_seqs=4)
     assert outputs == expected
     check_reports(reports, outputs, engine)
+
+
+@pytest.mark.parametrize("cost", ["cpu", "h200-graphs"])
+def test_tokens_are_stamped_when_their_step_ended_not_when_the_next_one_did(cost: str) -> None:
+    """The simulator computes a step's tokens at launch: they are ready then, before the next step runs."""
+    prompts, params = [[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=6, ignore_eos=True)
+    stamps = {}
+    for ahead in (False, True):
+        engine = Engine(SimulatedModel(cost=cost), EngineConfig(async_scheduling=ahead))
+        reports: list = []
+        engine.step_listeners.append(reports.append)
+        outputs = engine.generate(prompts, params)
+        stamps[ahead] = [o.metrics.token_times for o in outputs]
+        for before, after in itertools.pairwise(reports):  # one step after the other, never overlapping
+            assert after.start_time >= before.end_time - 1e-12
+        for output in outputs:
+            assert output.metrics.finish_time == output.metrics.token_times[-1]
+    if cost == "cpu":  # no host cost: planned ahead or not, the same steps take the same time
+        assert stamps[True] == stamps[False]
+    else:  # the host's time overlaps the device's: every token comes no later than one after the other
+        for one_by_one, ahead in zip(stamps[False], stamps[True], strict=True):
+            assert all(a <= b for a, b in zip(ahead, one_by_one, strict=True))
 
 
 def test_refused_configurations() -> None:

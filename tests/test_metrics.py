@@ -239,3 +239,10 @@ def test_frozen_heap_freezes_only_while_the_timed_run_goes_on():
     with pytest.raises(RuntimeError, match="a run that fails"), frozen_heap():
         raise RuntimeError("a run that fails")
     assert gc.get_freeze_count() == 0  # unfrozen after an exception too
+
+
+def test_gpu_utilisation_is_averaged_over_the_timed_window_only():
+    gpu = GpuMonitor()
+    gpu._samples = [(1.0, 100), (2.0, 10), (3.0, 30), (4.0, 100)]  # (perf_counter, %): build, run, run, teardown
+    assert gpu.utilization_between(1.5, 3.5) == pytest.approx(20)
+    assert gpu.utilization_between(5.0, 6.0) is None

@@ -66,6 +66,10 @@ class AsyncRunner(Runner, Protocol):
     def collect(self, launched: Any) -> list[int]:
         """Wait for a launched step; return one token per chunk with ``samples=True``, in order."""
 
+    def ready_time(self, launched: Any) -> float | None:
+        """When a launched step's tokens were ready, if the runner computed them in ``launch`` (a CPU, the
+        simulator); None where they are read as they arrive (a GPU): the time ``collect`` returned."""
+
 
 #: Builds the runner of a model that does not make its own (a transformers model). The top-level ``labkit``
 #: package plugs in the torch runtime's ModelRunner here, imported only when first used, so the core layer
@@ -302,9 +306,10 @@ class Engine:
 
     def _finish_oldest(self) -> StepReport:
         """Read the oldest launched step's tokens, put them in place, report the step."""
-        step = self._ahead[0]
-        sampled = [] if step.handle is None else cast(AsyncRunner, self.runner).collect(step.handle)
-        end = self.clock()
+        step, runner = self._ahead[0], cast(AsyncRunner, self.runner)
+        sampled = [] if step.handle is None else runner.collect(step.handle)
+        ready = None if step.handle is None else runner.ready_time(step.handle)
+        end = self.clock() if ready is None else ready  # not the next step's time, which may have run since
         kept, stopped = self.scheduler.resolve(step.output, sampled, end)
         self._ahead.popleft()
         # What stopped requests gave back goes to the next report: its step had already claimed its own blocks.

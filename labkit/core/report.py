@@ -294,9 +294,9 @@ def load_trace(path: str | Path) -> tuple[list[StepReport], dict[str, Any]]:
         raise TraceError(path, problem) from None
     if not isinstance(payload, dict):
         raise TraceError(path, f"expected a JSON object with 'version', 'meta' and 'steps', got {_json_type(payload)}")
-    if "steps" not in payload or "version" not in payload:
+    if "steps" not in payload and "version" not in payload:
         raise TraceError(path, "not a labkit trace: a JSON object with 'version', 'meta' and 'steps' was expected")
-    version = payload["version"]
+    version = payload.get("version")
     if type(version) is not int or version != TRACE_VERSION:
         raise TraceError(path, f"unsupported trace version {version!r} (expected {TRACE_VERSION})")
     steps, meta = payload.get("steps"), payload.get("meta", {})

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from labkit.core.blocks import BlockAllocator
 from labkit.core.config import EngineConfig
@@ -114,6 +114,13 @@ class SimulatedModel:
         return 2 + (h >> 32) % (self.vocab_size - 2)  # the high bits, independent of the EOS draw
 
 
+class SimLaunch(NamedTuple):
+    """A step the simulated device has run: its tokens, and the simulated time they were ready."""
+
+    tokens: list[int]
+    ready_at: float
+
+
 class SimRunner:
     """Runs a step of a SimulatedModel: advances a simulated clock by the cost model's time."""
 
@@ -144,14 +151,17 @@ class SimRunner:
         self.now += host + device
         return self._tokens(output)
 
-    def launch(self, output: SchedulerOutput, allocator: BlockAllocator, previous: Any = None) -> list[int]:
+    def launch(self, output: SchedulerOutput, allocator: BlockAllocator, previous: Any = None) -> SimLaunch:
         """Async scheduling: the host works on the next step while the device runs this one, so a step takes
         the longer of the two. Its tokens are known at once (they depend on positions, not on values)."""
         self.now += max(self._times(output))
-        return self._tokens(output)
+        return SimLaunch(self._tokens(output), self.now)
 
-    def collect(self, launched: list[int]) -> list[int]:
-        return launched
+    def collect(self, launched: SimLaunch) -> list[int]:
+        return launched.tokens
+
+    def ready_time(self, launched: SimLaunch) -> float:
+        return launched.ready_at
 
     def _times(self, output: SchedulerOutput) -> tuple[float, float]:
         """(host, device) seconds of a step."""

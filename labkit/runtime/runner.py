@@ -58,6 +58,7 @@ class LaunchedStep(NamedTuple):
     host: torch.Tensor  # the same tokens on the host (page-locked on CUDA), valid once ``ready`` has fired
     ready: torch.cuda.Event | None  # recorded after the copy to ``host`` (None on a CPU: done already)
     requests: list[Request]  # whose token each row is
+    ready_at: float | None  # on a CPU, when launch computed the tokens; on CUDA None (read as they arrive)
 
 
 class ModelRunner:
@@ -179,20 +180,24 @@ class ModelRunner:
         if isinstance(samples, list):  # from a plugged-in sampler: back to the device, for the next step's inputs
             samples = long_tensor(samples, self.device)
         if self.device.type != "cuda":
-            return LaunchedStep(samples, samples, None, requests)
+            return LaunchedStep(samples, samples, None, requests, self.clock())
         with self._on_device():
             # Copied out now, queued before the next step, so that reading them does not wait for that step too.
             host = torch.empty(samples.shape, dtype=samples.dtype, pin_memory=True)
             host.copy_(samples, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        return LaunchedStep(samples, host, ready, requests)
+        return LaunchedStep(samples, host, ready, requests, None)
 
     def collect(self, launched: LaunchedStep) -> list[int]:
         """Wait for a launched step's tokens to reach the host; return them, one per sampling chunk."""
         if launched.ready is not None:
             launched.ready.synchronize()
         return launched.host.tolist()
+
+    def ready_time(self, launched: LaunchedStep) -> float | None:
+        """When a CPU step's tokens were computed (in ``launch``); None on CUDA, where ``collect`` waits for them."""
+        return launched.ready_at
 
     @torch.inference_mode()
     def _run(

@@ -24,6 +24,7 @@ import itertools
 import re
 import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -337,7 +338,7 @@ class GpuMonitor:
         self.peak_memory_bytes: int | None = None
         self.utilization: float | None = None
         self._cuda = None
-        self._samples: list[int] = []
+        self._samples: list[tuple[float, int]] = []  # (perf_counter, utilisation %)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -361,13 +362,19 @@ class GpuMonitor:
             self._stop.set()
             self._thread.join()
             if self._samples:
-                self.utilization = float(np.mean(self._samples))
+                self.utilization = float(np.mean([util for _, util in self._samples]))
+
+    def utilization_between(self, start: float, end: float) -> float | None:
+        """Mean utilisation over the samples taken between ``start`` and ``end`` (perf_counter seconds): a run's
+        own window, without the engine's construction and warm-up that the block also covered."""
+        inside = [util for t, util in self._samples if start <= t <= end]
+        return float(np.mean(inside)) if inside else None
 
     def _sample(self, handle: Any) -> None:
         import pynvml
 
         while True:
-            self._samples.append(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            self._samples.append((time.perf_counter(), pynvml.nvmlDeviceGetUtilizationRates(handle).gpu))
             if self._stop.wait(self.interval):
                 return
 

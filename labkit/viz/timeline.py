@@ -120,8 +120,8 @@ class Timeline(Displayable):
 
     Each run is an Engine (live: redrawn at most every ``min_redraw_seconds``), a Recorder, a trace path
     or a list of StepReports. Times are seconds from each run's start, so runs on different clocks line up.
-    A bar spans its steps' reports: with async scheduling a report runs from launch to token read, so
-    consecutive steps overlap, and a request's decode bar starts before its prefill bar ends.
+    A bar spans its steps' reports: with async scheduling on a GPU a report runs from launch to token read,
+    so consecutive steps overlap, and a request's decode bar starts before its prefill bar ends.
     """
 
     def __init__(self, runs: Any, *, min_redraw_seconds: float = 0.5) -> None:

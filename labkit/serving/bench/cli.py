@@ -33,6 +33,7 @@ from labkit.serving.bench.modes import MODES, BenchSetup, max_model_len
 from labkit.serving.bench.report import (
     BenchProgress,
     describe_workload,
+    drawn_rate,
     rate_label,
     results_json,
     results_table,
@@ -313,7 +314,9 @@ def prepare(
     first = next(iter(workloads.values()))
     sweep = len(workloads) > 1
     shape = "Poisson" if args.burstiness == 1 else f"gamma (burstiness {args.burstiness:g})"
-    rates = f"; {shape} arrivals at {', '.join(map(rate_label, workloads))}" if sweep else ""
+    drawn = {rate: drawn_rate(workload) for rate, workload in workloads.items()}
+    asked = ", ".join(rate_label(r) + ("" if drawn[r] is None else f" ({drawn[r]:.2f}/s drawn)") for r in workloads)
+    rates = f"; {shape} arrivals at {asked}" if sweep else ""
     console.print(f"[bold]{args.workload}[/bold]: {describe_workload(first, arrivals=not sweep)}{rates}")
     if "all" in requested:
         for mode in MODES:
@@ -333,6 +336,7 @@ def prepare(
         "num_requests": len(first),
         "rate": args.rates[0] if len(args.rates) == 1 else None,
         "rates": args.rates,
+        "drawn_rates": list(drawn.values()),  # (n - 1) / (last - first arrival) of each rate's workload
         "burstiness": args.burstiness,
         "seed": args.seed,
         "repeats": args.repeats,

@@ -188,7 +188,19 @@ def describe_workload(workload: Sequence[WorkloadRequest], arrivals: bool = True
     if not arrivals:
         return text
     last = max(r.arrival_time for r in workload)
-    return text + (", all at t=0 (offline)" if last == 0 else f", arrivals over {last:.1f} s")
+    if last == 0:
+        return text + ", all at t=0 (offline)"
+    return text + f", arrivals over {last:.1f} s ({drawn_rate(workload):.2f}/s in this draw)"
+
+
+def drawn_rate(workload: Sequence[WorkloadRequest]) -> float | None:
+    """The arrival rate the random gaps actually gave: (n - 1) gaps over the first-to-last arrival time.
+
+    A few dozen Poisson gaps can add up to a rate a third off the one asked for, so a sweep states both.
+    """
+    times = [r.arrival_time for r in workload]
+    span = max(times) - min(times)
+    return (len(times) - 1) / span if len(times) > 1 and span > 0 else None
 
 
 def seconds_label(value: float | None) -> str:

@@ -76,12 +76,14 @@ def run_bench(
             try:
                 with GpuMonitor() as gpu, frozen_heap():
                     run = MODES[mode](workload, setup)
+                first_arrival = min(o.metrics.arrival_time for o in run.outputs)
+                last_finish = max(o.metrics.finish_time for o in run.outputs)
                 metrics = run_metrics(
                     run.outputs,
                     run.reports,
                     targets=targets,
                     peak_gpu_memory_bytes=gpu.peak_memory_bytes,
-                    gpu_utilization=gpu.utilization,
+                    gpu_utilization=gpu.utilization_between(first_arrival, last_finish),  # the timed window only
                 )
             except Exception as error:  # one failed mode is reported, not fatal
                 errors[mode] = f"{type(error).__name__}: {error}" + (f" (repeat {repeat + 1})" if repeats > 1 else "")

@@ -9,6 +9,9 @@ from typing import Any
 
 import pytest
 
+from labkit import SimulatedModel
+from labkit.core.sim import SimRunner
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Without an NVIDIA GPU, Triton kernels run only through Triton's interpreter, which must be switched on before
 # anything imports triton (torch and transformers may, while other tests are collected). Checked without torch.
@@ -109,3 +112,41 @@ def engine_state(engine: Any) -> tuple:
         [r.request_id for r in engine._aborted],
         prefix,
     )
+
+
+class ShadowRunner(SimRunner):
+    """The simulated model with a shadow KV cache: each slot holds the token prefix whose keys it stores.
+
+    A SimulatedModel's tokens never depend on the cache, so a block handed to the wrong request, or a
+    cached block served after it was overwritten, would go unnoticed. This runner writes each computed
+    position's prefix into the slot the block table maps it to, and then checks that every chunk of the
+    step reads exactly its own prefix at every position, through its block table, as attention would.
+    """
+
+    def __init__(self, model: SimulatedModel) -> None:
+        super().__init__(model)
+        self.slots: dict[int, tuple[int, ...]] = {}
+
+    def execute(self, output: Any, allocator: Any) -> list[int]:
+        prefixes = {}
+        for chunk in output.chunks:  # static batches' padding rows store nothing a request reads
+            request, end = chunk.request, chunk.start + chunk.num_tokens
+            tokens = prefixes[request.request_id] = tuple(request.token_at(i) for i in range(end))
+            for position, slot in enumerate(allocator.slot_mapping(request.request_id, chunk.start, end), chunk.start):
+                self.slots[slot] = tokens[: position + 1]
+        for chunk in output.chunks:
+            request_id, tokens = chunk.request.request_id, prefixes[chunk.request.request_id]
+            for position, slot in enumerate(allocator.slot_mapping(request_id, 0, len(tokens))):
+                assert self.slots.get(slot) == tokens[: position + 1], (
+                    f"step {output.step}: request {request_id} reads position {position} from slot {slot}, which holds"
+                    f" another prefix's keys and values"
+                )
+        return super().execute(output, allocator)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShadowedModel(SimulatedModel):
+    """A SimulatedModel whose engines check, every step, that each request reads its own keys and values."""
+
+    def make_runner(self, config: Any) -> ShadowRunner:
+        return ShadowRunner(self)

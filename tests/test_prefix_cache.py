@@ -19,6 +19,7 @@ from labkit.core import prefix_cache
 from labkit.core.prefix_cache import PrefixCacheStats, block_hash
 from labkit.serving.metrics import run_metrics, sum_prefix_stats
 from labkit.serving.workloads import make_workload
+from tests.conftest import ShadowedModel
 from tests.test_scheduler import EngineMachine, as_test, ceil_div, run_to_completion
 
 PREFIX = list(range(100, 112))  # three blocks of 4
@@ -288,7 +289,7 @@ class CachingMachine(EngineMachine):
             enable_prefix_caching=True,
             scheduling=self.scheduling,
         )
-        self.model = SimulatedModel(mean_output_len=mean_output_len)
+        self.model = ShadowedModel(mean_output_len=mean_output_len)  # checks what each request reads
         self.engine = Engine(self.model, self.config)
         self.capacity = block_size * num_blocks
         self.accepted = []

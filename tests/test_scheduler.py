@@ -9,7 +9,7 @@ changed nothing.
 import functools
 
 import pytest
-from conftest import Boom, engine_state
+from conftest import Boom, ShadowedModel, engine_state
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -308,7 +308,7 @@ class EngineMachine(RuleBasedStateMachine):
             chunked_prefill=self.chunked_prefill,
             scheduling=self.scheduling,
         )
-        self.model = SimulatedModel(mean_output_len=mean_output_len)
+        self.model = ShadowedModel(mean_output_len=mean_output_len)  # checks what each request reads
         self.engine = Engine(self.model, self.config)
         self.capacity = block_size * num_blocks
         self.accepted: list[int] = []

@@ -185,8 +185,7 @@ def test_host_time_adds_to_a_step_and_overlaps_it_with_async_scheduling():
         times[ahead] = [b - a for a, b in itertools.pairwise(decode_ends)]
     # A decode step of 4 requests: device 1 + 0.1 * 4 = 1.4 s, host 0.5 + 0.25 * 4 = 1.5 s.
     assert times[False] == pytest.approx([2.9] * len(times[False]))
-    # Planned ahead, each step's time is counted at its launch: the last one, read right after the one
-    # before it, adds nothing more.
-    assert times[True] == pytest.approx([1.5] * (len(times[True]) - 1) + [0.0])
+    # Planned ahead, a step takes the longer of the two, and its tokens are stamped when it ended.
+    assert times[True] == pytest.approx([1.5] * len(times[True]))
     assert len(times[True]) == len(times[False]) > 2
     assert COST_PRESETS["h200"].host_time(256) == 0.0  # the presets from before charge no host time

@@ -87,6 +87,19 @@ def test_priority_a_newcomer_never_takes_the_budget_of_a_request_that_outranks_i
     assert [w.request_id for w in report.scheduled] == [high, middle]  # the better decode first, then its chunk
 
 
+def test_priority_displaces_no_one_for_a_newcomer_that_could_not_start_anyway():
+    # No free block: high holds four, low one. The newcomer needs three; displacing low would free only one.
+    engine = engine_for("priority", num_blocks=5, max_batch_tokens=32, max_num_seqs=4)
+    high = engine.add_request(list(range(2, 17)), SamplingParams(max_new_tokens=2, priority=0))  # 15 tokens
+    low = engine.add_request([5, 6], SamplingParams(max_new_tokens=2, priority=2))
+    engine.step()
+    assert engine.num_free_blocks == 0
+    engine.add_request(list(range(20, 32)), SamplingParams(max_new_tokens=2, priority=1))  # 12 tokens
+    report = engine.step()
+    assert report.preempted == [] and report.admitted == []
+    assert {w.request_id for w in report.scheduled} == {high, low}  # both go on, each within its last block
+
+
 def test_priority_with_prefix_caching_counts_only_the_uncached_tokens_of_a_better_request():
     # Without chunked prefill a request must compute its prompt in one step. The second better request's
     # prompt (14 tokens) is longer than the budget the first leaves (8), but 12 of them are cached: it

@@ -41,6 +41,7 @@ the tokens in place once they are read, finishing then a request that a stop tok
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -334,7 +335,10 @@ class Scheduler:
             request = running[i]
             if displacing and head is not None and self.waiting.outranks(head, request):
                 # The head outranks this request and every one after it: it goes first, displacing the
-                # lowest-ranked running requests until it fits.
+                # lowest-ranked running requests until it fits (unless even all of them would not make room).
+                if not self._room_if_displaced(head, budget, running[i:end_of_running]):
+                    displacing = False
+                    continue
                 while not (used := self._admit(output, head, budget, end_of_running)) and end_of_running > i:
                     if not cfg.chunked_prefill and head.num_tokens - self._cached_prefix(head)[1] > budget:
                         break  # what it must compute needs a step with more budget, not more room
@@ -408,6 +412,21 @@ class Scheduler:
             output.num_cached_tokens[request.request_id] = start
         output.add_chunk(request, start, num_tokens, True)
         return num_tokens
+
+    def _room_if_displaced(self, request: Request, budget: int, victims: Sequence[Request]) -> bool:
+        """Whether ``request``'s first chunk could get its blocks if all ``victims`` gave theirs up.
+
+        Displacing requests that cannot make enough room would only make them compute their tokens again.
+        A victim frees the blocks no one else holds; the check is an upper bound (prefix sharing can only
+        make the room smaller), so a displacement it allows may still fall short, one it refuses never helps.
+        """
+        allocator = self.allocator
+        prefix, start = self._cached_prefix(request)
+        cached = prefix.blocks if prefix is not None else []
+        needed = allocator.blocks_needed(request.request_id, start + min(request.num_tokens - start, budget))
+        held = Counter(block for victim in victims for block in allocator.block_tables.get(victim.request_id, ()))
+        freed = sum(1 for block, holders in held.items() if allocator.ref_counts[block] == holders)
+        return needed - len(cached) <= allocator.num_free_blocks + freed
 
     def _cached_prefix(self, request: Request) -> tuple[PrefixMatch | None, int]:
         """The cached blocks ``request`` would start from (None with prefix caching off), and the tokens they hold."""

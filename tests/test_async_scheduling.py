@@ -13,6 +13,7 @@ Threads: torch runs on 1 thread (conftest).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import random
@@ -123,6 +124,39 @@ def test_same_outputs_as_without_async_scheduling(case: dict[str, Any]) -> None:
     outputs, reports, engine = serve(model, prompts, params, async_scheduling=True, **options)
     assert outputs == expected
     check_reports(reports, outputs, engine)
+
+
+@settings(max_examples=80, deadline=None)
+@given(workloads(), st.data())
+def test_stop_tokens_and_aborts_between_async_steps_touch_only_their_own_requests(case: dict[str, Any], data) -> None:
+    model, prompts, params, options = case["model"], case["prompts"], case["params"], case["options"]
+    plain, _, _ = serve(model, prompts, params, **options)
+    # A stop token that each chosen request really generates, so that some stop early, one step late.
+    for i, (tokens, _) in enumerate(plain):
+        if tokens and data.draw(st.booleans(), label=f"stop {i}"):
+            stop = tokens[data.draw(st.integers(0, len(tokens) - 1), label=f"at {i}")]
+            params[i] = dataclasses.replace(params[i], stop_token_ids=(stop,))
+    expected, _, _ = serve(model, prompts, params, **options)
+    engine = Engine(model, EngineConfig(async_scheduling=True, **options))
+    reports: list = []
+    engine.step_listeners.append(reports.append)
+    ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+    aborts = dict(data.draw(st.lists(st.tuples(st.integers(0, 30), st.sampled_from(ids)), max_size=3), label="aborts"))
+    for steps in itertools.count():
+        if not engine.has_unfinished():
+            break
+        assert steps < 2000, "the run does not finish"
+        if aborts.get(steps) in engine.scheduler.requests:
+            engine.abort(aborts[steps])
+        engine.step()
+    for request_id, (tokens, reason) in zip(ids, expected, strict=True):
+        request = engine.requests[request_id]
+        if request.finish_reason == "abort":
+            assert request.output_token_ids == tokens[: len(request.output_token_ids)]
+        else:
+            assert (request.output_token_ids, request.finish_reason) == (tokens, reason)
+    assert Counter(r for report in reports for r in report.finished) == Counter(ids), "every request finishes once"
+    assert engine.num_free_blocks == engine.num_blocks and not engine.has_unfinished()
 
 
 def test_a_stopped_request_s_next_row_is_thrown_away() -> None:

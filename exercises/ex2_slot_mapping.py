@@ -20,6 +20,7 @@ def slot_mapping(segments: Sequence[Segment], block_size: int, scratch_slot: int
     Segment ``s`` covers positions ``s.start .. s.start + s.num_tokens - 1`` of its request, whose blocks
     are ``s.block_table``. Position ``p`` lives in slot ``block_table[p // block_size] * block_size +
     p % block_size``. A padding segment (``s.writes_cache`` is False) writes every one of its tokens to
-    ``scratch_slot``. Return one list with ``sum(s.num_tokens for s in segments)`` slots.
+    ``scratch_slot``, without looking at its block table: a static batch pads a short prompt past the blocks
+    it holds. Return one list with ``sum(s.num_tokens for s in segments)`` slots.
     """
     raise NotImplementedError("Exercise 2")

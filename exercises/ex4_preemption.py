@@ -7,7 +7,7 @@ preempt the youngest running request. A step is a plan and then a commit, so pre
 * ``requeue_preempted(victim)``, while committing (``update``, after the model ran): the victim waits again.
 
 Fill in both. The state they use is labkit's (``labkit.core.scheduler.Scheduler``): ``self.allocator.free``,
-``self.waiting`` (the waiting queue, the front one next; ``appendleft`` as on a deque),
+``self.waiting`` (the waiting queue, the front one next; ``appendleft`` and ``append`` as on a deque),
 ``victim.num_computed_tokens``, ``victim.state``, ``victim.metrics.num_preemptions``.
 
 Check it: ``labkit check``, ``pytest -m ex4 exercises/``, or ``labkit.exercises.check(4)`` in a notebook.

@@ -27,14 +27,14 @@ class MySampler(Sampler):
 
         ``logits`` is (rows, vocab) float32; ``temperature`` (> 0), ``top_k`` and ``top_p`` hold one value
         per row. In order: divide the row's logits by its temperature; keep its ``top_k`` most likely tokens
-        (``top_k == 0``: all); softmax what is left (so top-p sees the renormalised probabilities); keep the
-        smallest set of most probable tokens whose mass reaches ``top_p``: walking them in decreasing
-        probability, a token is dropped once the mass before it is already >= top_p (``top_p == 1``: all).
-        A mass exactly equal to ``top_p`` reaches it: four tokens of 0.25 with ``top_p = 0.5`` keep two, not
-        three, as in Hugging Face's and vLLM's top-p.
-        Then walk the kept tokens, again in decreasing probability (not in vocabulary order), and pick the
-        first whose cumulative probability exceeds ``uniform`` times the kept mass (inverse CDF): the same
-        uniform must draw the same token as labkit's sampler. Use no other randomness. You may loop over the
-        rows.
+        (``top_k == 0``: all; it is never more than the vocabulary); softmax what is left (so top-p sees the
+        renormalised probabilities); keep the smallest set of most probable tokens whose mass reaches
+        ``top_p``: walking them in decreasing probability, a token is dropped once the mass before it is
+        already >= top_p (``top_p == 1``: all). A mass exactly equal to ``top_p`` reaches it: four tokens of
+        0.25 with ``top_p = 0.5`` keep two, not three, as in Hugging Face's and vLLM's top-p.
+        Then walk the kept tokens, again in decreasing probability (not in vocabulary order; among equal
+        probabilities any order will do), and pick the first whose cumulative probability exceeds ``uniform``
+        times the kept mass (inverse CDF): the same uniform must draw the same token as labkit's sampler. Use
+        no other randomness. You may loop over the rows.
         """
         raise NotImplementedError("Exercise 6")

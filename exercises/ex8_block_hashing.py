@@ -15,7 +15,8 @@ that shares the blocks you find) is labkit's. The state you read, kept by ``Pref
 * ``self.stale``: ids of cached blocks a failed engine step may have overwritten: never hand them out;
 * ``self.hashes(request, n)``: the digests of the request's first ``n`` full blocks, computed with *your*
   ``block_hash`` and kept on the request;
-* ``request.num_tokens`` and ``request.tokens(start, end)``: its token ids so far.
+* ``request.num_tokens`` and ``request.tokens(start, end)``: its token ids so far, as a list (an entry's
+  ``token_ids`` is a tuple, and a tuple never equals a list: compare like with like).
 
 Plug it into the engine: ``Engine(model, EngineConfig(enable_prefix_caching=True),
 allocator_cls=allocator_for(MyPrefixCache))`` (``from labkit.exercises.ex8_block_hashing import allocator_for``).

@@ -141,6 +141,24 @@ class StepZero(BlockAllocator):
         return [event._replace(step=0) for event in super().drain_events()]
 
 
+class KeepsNumSlots(BlockAllocator):
+    """Frees the blocks but leaves the request in num_slots."""
+
+    def free(self, request_id):
+        slots = self.num_slots.get(request_id)
+        released = super().free(request_id)
+        self.num_slots[request_id] = slots
+        return released
+
+
+def test_ex1_a_free_that_keeps_num_slots_is_named_in_every_case_it_breaks():
+    _, messages = failing(1, KeepsNumSlots)
+    assert len(messages) > 1  # later frees see the stale entry too: each says so, not the case's own hint
+    for text in messages.values():
+        assert "num_slots: {'b': 2}" in text or "num_slots:" in text
+        assert "free removes the request from num_slots as well as from block_tables" in text
+
+
 def test_ex1_planted_mistakes_are_named():
     _, leak = failing(1, LeakyFree)
     text = leak["free gives every block back to the end of the free queue"]
@@ -523,6 +541,21 @@ def test_ex4_planted_mistakes_are_named():
     assert "got:      the plan preempts []" in listed["a rolled-back step leaves its victim as it was"]
 
 
+class InsertsIntoTheQueue(Scheduler):
+    """Treats the waiting queue as a list: a method it does not have, so the code stops before any check."""
+
+    def requeue_preempted(self, victim):
+        self.waiting.insert(0, victim)
+
+
+def test_ex4_code_that_cannot_run_is_named_where_it_stops_not_by_each_cases_hint():
+    _, messages = failing(4, InsertsIntoTheQueue)
+    for text in messages.values():
+        assert "your code raised AttributeError" in text and "self.waiting.insert(0, victim)" in text
+        assert "AttributeError in your requeue_preempted() (line" in text and "fix that line" in text
+        assert "output.preempted.append" not in text  # the hint of the case about listing victims
+
+
 def test_ex4_output_case_really_preempts():
     from labkit.core.sim import SimulatedModel
     from labkit.exercises.engine_runs import config, prompts
@@ -685,9 +718,9 @@ class RowByRow(Sampler):
 
     def sample_row(self, logits, temperature, top_k, top_p, uniform):
         probs = (logits / temperature).softmax(-1)
-        order = probs.sort(descending=True).indices.tolist()
+        order = self.order(probs)
         keep = set(order)
-        by_k = set(order[:top_k]) if top_k > 0 else keep
+        by_k = self.top_k_of(probs, order, top_k) if top_k > 0 else keep
         for nucleus in (True, False) if self.top_p_first else (False, True):
             nucleus_of = probs if self.temper_first else logits.softmax(-1)
             keep &= self.nucleus(nucleus_of, order, keep, top_p) if nucleus else by_k
@@ -698,6 +731,12 @@ class RowByRow(Sampler):
             if mass > target:
                 return token
         return walk[-1]
+
+    def order(self, probs):
+        return probs.sort(descending=True).indices.tolist()
+
+    def top_k_of(self, probs, order, top_k):
+        return set(order[:top_k])
 
     def nucleus(self, probs, order, keep, top_p):
         total = sum(float(probs[t]) for t in keep) if self.renormalise else 1.0
@@ -735,8 +774,24 @@ class FirstRowsFilters(Sampler):
         return super().sample_rows(logits, temperature, top_k[:1].expand_as(top_k), top_p[:1].expand_as(top_p), uniform)
 
 
+class TiesHighestIdFirst(RowByRow):
+    """Walks equal probabilities from the highest token id down: any order of a tie draws each token as often."""
+
+    def order(self, probs):
+        return sorted(range(len(probs)), key=lambda token: (-float(probs[token]), -token))
+
+
+class TopKByTorchTopk(RowByRow):
+    """torch.topk, which raises for a k beyond the vocabulary (the engine clamps top_k before sample_rows)."""
+
+    def top_k_of(self, probs, order, top_k):
+        return set(torch.topk(probs, top_k).indices.tolist())
+
+
 def test_ex6_a_sampler_written_from_the_contract_passes():
     assert check(6, RowByRow, quiet=True).passed
+    assert check(6, TiesHighestIdFirst, quiet=True).passed
+    assert check(6, TopKByTorchTopk, quiet=True).passed
 
 
 def test_ex6_planted_mistakes_are_named():
@@ -901,7 +956,7 @@ class UnchainedHash(PrefixCache):
         return hashlib.sha256(struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
 
 
-def _lookup(cache, request, *, serve_last=False, confirm=True, stop=True):
+def _lookup(cache, request, *, serve_last=False, confirm=True, stop=True, as_tuple=True):
     """labkit's match with one rule broken, for the planted mistakes below."""
     size = cache.block_size
     num_query = (request.num_tokens - (0 if serve_last else 1)) // size
@@ -910,7 +965,8 @@ def _lookup(cache, request, *, serve_last=False, confirm=True, stop=True):
     digests, blocks, miss = cache.hashes(request, num_query), [], None
     for index, digest in enumerate(digests[:num_query]):
         entry = cache.index.get(digest)
-        tokens = tuple(request.tokens(index * size, (index + 1) * size))
+        tokens = request.tokens(index * size, (index + 1) * size)
+        tokens = tuple(tokens) if as_tuple else tokens
         stale = entry is not None and entry.block_id in cache.stale
         if entry is None or stale or (confirm and entry.token_ids != tokens):
             miss = miss or ("evicted" if stale or digest in cache.evicted else "new")
@@ -959,6 +1015,18 @@ class IgnoresTheParent(PrefixCache):
 
     def match(self, request):
         return _lookup(self, request)
+
+
+class ComparesAListWithATuple(PrefixCache):
+    def match(self, request):
+        return _lookup(self, request, as_tuple=False)
+
+
+def test_ex8_a_list_compared_with_the_entrys_tuple_is_named():
+    _, messages = failing(8, ComparesAListWithATuple)
+    text = messages["match returns the cached blocks of the longest cached prefix"]
+    assert "blocks=[], " in text and "miss='new'" in text
+    assert "request.tokens(start, end) is a list and entry.token_ids a tuple" in text
 
 
 def test_ex8_blocks_may_be_any_sequence_and_a_wrong_one_shows_itself():

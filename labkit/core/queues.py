@@ -57,6 +57,10 @@ class FcfsQueue:
 
     appendleft = requeue  # as on a deque: the scheduler's exercises treat the queue as one
 
+    def append(self, request: Request) -> None:
+        """Put a request last in line, as on a deque."""
+        self._queue.append(request)
+
     def popleft(self) -> Request:
         return self._queue.popleft()
 
@@ -107,7 +111,7 @@ class RankedQueue(FcfsQueue):
         """Put a preempted request back where its key ranks it."""
         bisect.insort(self._entries, (self.key(request), request), key=itemgetter(0))
 
-    appendleft = requeue
+    appendleft = append = requeue  # a ranked queue has no front or back of its own: the key places a request
 
     def popleft(self) -> Request:
         return self._entries.pop(0)[1]

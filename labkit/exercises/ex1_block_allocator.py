@@ -66,10 +66,24 @@ FREE_ORDER_HINT = (
 )
 
 
-def _free_order_only(op: Op, differ: list[str], want: dict[str, Any], have: dict[str, Any]) -> bool:
-    """Whether a free differs from labkit's only in where it put the right blocks in the free queue."""
-    same_blocks = sorted(want["free queue"]) == sorted(have["free queue"])
-    return op[0] == "free" and differ == ["free queue"] and same_blocks
+NUM_SLOTS_HINT = (
+    "num_slots[request_id] is how many token slots the request has claimed: allocate sets it to num_tokens"
+    " when that is more than before (never lower), and free removes the request from num_slots as well as"
+    " from block_tables"
+)
+
+
+def _named_hint(
+    op: Op, same_return: bool, differ: list[str], want: dict[str, Any], have: dict[str, Any], hint: str
+) -> str:
+    """The case's hint, unless the difference itself names the mistake: num_slots alone, or the free queue's order."""
+    if not same_return:
+        return hint
+    if differ == ["num_slots"]:
+        return NUM_SLOTS_HINT
+    if op[0] == "free" and differ == ["free queue"] and sorted(want["free queue"]) == sorted(have["free queue"]):
+        return FREE_ORDER_HINT
+    return hint
 
 
 def replay(cls: Any, num_blocks: int, block_size: int, ops: list[Op], hint: str, events: bool = False) -> None:
@@ -90,7 +104,7 @@ def replay(cls: Any, num_blocks: int, block_size: int, ops: list[Op], hint: str,
             differ = [k for k in want if want[k] != have[k]]
             expected_text = "\n".join([_show(expected)] + [f"{k}: {want[k]}" for k in differ])
             got_text = "\n".join([_show(got)] + [f"{k}: {have[k]}" for k in differ])
-            named = FREE_ORDER_HINT if expected == got and _free_order_only(op, differ, want, have) else hint
+            named = _named_hint(op, expected == got, differ, want, have, hint)
             raise Mismatch("\n".join(done), expected_text, got_text, named)
 
 

@@ -133,7 +133,22 @@ def compare(cls: Any, ops: list[Op], hint: str) -> None:
     for number, (want, have) in enumerate(zip(expected, got, strict=True)):
         if _show(want) != _show(have):  # compared as shown, so that a failure always shows what differs
             shown = "\n".join(text[: lookups[number] + 1])
-            raise Mismatch(shown, _show(want), _show(have), hint)
+            raise Mismatch(shown, _show(want), _show(have), _nothing_hit_hint(want, have) or hint)
+
+
+NOTHING_HIT_HINT = (
+    "not one block hit, although these blocks are cached: check how a hit is confirmed. request.tokens(start,"
+    " end) is a list and entry.token_ids a tuple, which never compare equal (tuple(...) one of them); the"
+    " parent to compare with is the digest of the request's previous block (None for its first)"
+)
+
+
+def _nothing_hit_hint(want: Any, have: Any) -> str:
+    """NOTHING_HIT_HINT when labkit's lookup hits and the learner's finds nothing at all, calling it new."""
+    if not (isinstance(want, PrefixMatch) and want.blocks and isinstance(have, PrefixMatch)):
+        return ""
+    hit_nothing = isinstance(have.blocks, (list, tuple)) and not have.blocks and have.miss == "new"
+    return NOTHING_HIT_HINT if hit_nothing else ""
 
 
 def _lookup_case(name: str, ops: list[Op], hint: str) -> Case:

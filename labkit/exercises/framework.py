@@ -216,8 +216,21 @@ def run_case(case: Case, implementation: Any, *, verbose: bool = False) -> Failu
     except Exception as error:  # the learner's own error: show it, not labkit's internals
         where = traceback.format_exc() if verbose else learner_frames(error)
         got = f"your code raised {type(error).__name__}: {error}"
-        return Failure(case.name, "error", _clip(_current_input[0]), got=_clip(got), hint=case.hint, traceback=where)
+        hint = _broken_code_hint(error) or case.hint
+        return Failure(case.name, "error", _clip(_current_input[0]), got=_clip(got), hint=hint, traceback=where)
     return None
+
+
+def _broken_code_hint(error: Exception) -> str:
+    """For an error that says the code cannot run at all (a misspelt name, a missing attribute), raised in the
+    learner's own code: a hint naming where, instead of the case's, which is about what the code should do."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not isinstance(error, (AttributeError, NameError, ImportError)) or not frames or not _is_learner(frames[-1]):
+        return ""
+    return (
+        f"{type(error).__name__} in your {frames[-1].name}() (line {frames[-1].lineno}, shown under where):"
+        " this case could not check anything, because the code stops there; fix that line and check again"
+    )
 
 
 def run_exercise(
@@ -234,14 +247,16 @@ def run_exercise(
 
 def learner_frames(error: BaseException) -> str:
     """The traceback frames outside labkit, the standard library and installed packages: the learner's code."""
-    library_dirs = {str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix)} | {str(LABKIT_DIR)}
-    frames = [
-        f
-        for f in traceback.extract_tb(error.__traceback__)
-        if not any(str(Path(f.filename).resolve()).startswith(d) for d in library_dirs) or "<" in f.filename
-    ]
-    frames = [f for f in frames if "hypothesis" not in f.filename]
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if _is_learner(f)]
     return "".join(traceback.format_list(frames)).rstrip()
+
+
+def _is_learner(frame: traceback.FrameSummary) -> bool:
+    """Whether a frame is the learner's: a notebook cell (``<...>``), or a file outside labkit and the environment."""
+    if "hypothesis" in frame.filename:
+        return False
+    library_dirs = {str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix)} | {str(LABKIT_DIR)}
+    return "<" in frame.filename or not any(str(Path(frame.filename).resolve()).startswith(d) for d in library_dirs)
 
 
 # ---------------------------------------------------------------------- the learner's file

@@ -52,7 +52,7 @@ def greedy_reference() -> Callable[[Any, list[int], int], list[int]]:
     import torch
 
     def generate(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=model.device)
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None
         )

@@ -19,7 +19,13 @@ import labkit.serving.baselines
 import labkit.serving.bench.cli
 import labkit.serving.bench.modes
 from labkit import Engine, EngineConfig, SamplingParams
-from labkit.serving.baselines import TransformersContinuous, padded_generate, timed_padded_generate, vllm_serve
+from labkit.serving.baselines import (
+    TimeLimitReached,
+    TransformersContinuous,
+    padded_generate,
+    timed_padded_generate,
+    vllm_serve,
+)
 from labkit.serving.bench import BenchSetup, load_model, main, results_json, run_bench
 from labkit.serving.metrics import run_metrics
 from labkit.serving.workloads import make_workload
@@ -90,6 +96,22 @@ def test_transformers_continuous_reports_token_timestamps(model, greedy):
     for output, delay in zip(online, [0.0, 0.1, 0.2, 0.3], strict=True):
         assert output.metrics.arrival_time == pytest.approx(start + delay)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_transformers_continuous_stops_at_its_time_limit_without_finishing_the_rest(model):
+    """A benchmark's guard: past time_limit the manager is stopped at once and the tokens so far are counted."""
+    prompts, wanted = [[5 + i] * 6 for i in range(4)], [100_000] * 4  # far more than the limit allows
+    with TransformersContinuous(model, block_size=8, num_blocks=64, max_num_seqs=4) as manager:
+        with pytest.raises(TimeLimitReached) as stopped:
+            manager.serve(prompts, wanted, time_limit=0.5)
+        assert not manager._manager.is_running()  # stopped, not left to flush 400,000 tokens on exit
+    limit = stopped.value
+    assert limit.finished == 0 and limit.total == 4 and 0 < limit.tokens < sum(wanted) and limit.seconds >= 0.5
+    assert "0 of 4 requests finished" in str(limit)
+    with TransformersContinuous(model, block_size=8, num_blocks=16) as manager:
+        for bad, error in ((0, ValueError), (float("nan"), ValueError), ("1", TypeError), (True, TypeError)):
+            with pytest.raises(error, match="time_limit"):
+                manager.serve(PROMPTS, WANTED, time_limit=bad)
 
 
 @pytest.fixture

@@ -5,6 +5,8 @@ Threads: torch runs on 1 thread.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
@@ -219,6 +221,23 @@ def test_generate_batch_mirrors_transformers(model, greedy_reference):
         assert result.request_id == f"req_{i}" and result.prompt_ids == prompt and result.is_finished()
         assert result.generated_tokens == greedy_reference(model, prompt, 5)
     assert generate_batch(model, [], config) == {}
+
+
+def test_generate_batch_takes_every_argument_of_transformers_own(model):
+    """A call written for model.generate_batch runs unchanged: every parameter it has, labkit's has too."""
+    from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
+
+    theirs = inspect.signature(ContinuousMixin.generate_batch).parameters
+    ours = inspect.signature(generate_batch).parameters
+    missing = [name for name, p in theirs.items() if name != "self" and p.kind != p.VAR_KEYWORD and name not in ours]
+    assert not missing, f"transformers' generate_batch has {missing}, labkit's has not"
+    inputs = [[5, 6, 7, 8], [9, 10, 11] * 5]
+    config = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=-1, num_blocks=32, block_size=8)
+    plain = generate_batch(model, inputs, config)
+    timed = generate_batch(model, inputs, config, record_timestamps=True, persistent_manager=True, warmup=False)
+    for name, result in timed.items():
+        assert result.generated_tokens == plain[name].generated_tokens and plain[name].timestamps is None
+        assert len(result.timestamps) == len(result.generated_tokens) and result.timestamps == sorted(result.timestamps)
 
 
 def test_generate_batch_honours_the_batching_knobs(model):

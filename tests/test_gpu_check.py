@@ -81,6 +81,14 @@ def gpu_check():
     return module
 
 
+def summary_text(gpu_check, results: dict) -> str:
+    """The summary table as printed, for these results."""
+    table, _ = gpu_check.summary_table(results, bandwidth=4e12)
+    console = Console(width=200, record=True)
+    console.print(table)
+    return console.export_text()
+
+
 def test_replay_seconds_times_the_graph_of_the_batch_s_bucket(gpu_check) -> None:
     replays = []
     graphs = SimpleNamespace(
@@ -98,10 +106,7 @@ def test_the_summary_shows_the_gpu_s_share_and_the_parts_of_a_split_decode(gpu_c
                                    attention_splits=16),
         "batch 256, graphs on": dict(step_ms=2.0, floor_ms=0.9, x_floor=2.22, device_ms=1.0, device_x_floor=1.11),
     }  # fmt: skip
-    table, _ = gpu_check.summary_table({"decode floor": decode}, bandwidth=4e12)
-    console = Console(width=200, record=True)
-    console.print(table)
-    text = console.export_text()
+    text = summary_text(gpu_check, {"decode floor": decode})
     assert "decode batch 1, graphs on, attention in 16 parts: ms (x floor)" in text and "0.90 (3.00x)" in text
     assert "of which the GPU alone (graph replay)" in text and "0.45 (1.50x)" in text and "1.00 (1.11x)" in text
     assert re.search(r"decode batch 256, graphs on: ms \(x floor\)\s+│\s+2\.00 \(2\.22x\)\s+│\s+<= 2\.0x", text)
@@ -113,10 +118,7 @@ def test_the_throughput_targets_are_read_off_the_best_continuous_run(gpu_check) 
         "labkit continuous, async scheduling": {"tokens_per_s": 30_000.0},
         "transformers generate_batch": {"tokens_per_s": 8_000.0},
     }
-    table, _ = gpu_check.summary_table({"throughput nano-vllm": part}, bandwidth=4e12)
-    console = Console(width=200, record=True)
-    console.print(table)
-    text = console.export_text()
+    text = summary_text(gpu_check, {"throughput nano-vllm": part})
     assert re.search(r"nano-vllm: labkit continuous, async scheduling tok/s\s+│\s+30,000\s+│\s+>= 17,700", text)
     assert re.search(r"nano-vllm: labkit continuous tok/s\s+│\s+20,000\s+│\s+│", text)
     assert re.search(r"labkit continuous, async scheduling / transformers\s+│\s+3\.75x\s+│\s+>= 3\.0x", text)
@@ -146,3 +148,34 @@ def test_the_gpu_run_names_tests_that_exist() -> None:
     for path, test in named:
         source = (ROOT / path).read_text()
         assert not test or f"def {test}(" in source, f"{path} has no {test}"
+
+
+def test_parts_record_errors_and_skip_what_would_start_past_the_budget(gpu_check, tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    results: dict = {}
+    parts = gpu_check.Parts(results, Console(quiet=True), out, budget_s=None)
+    assert parts.run("first", lambda part: part.setdefault("value", 3)) == 3
+
+    def crashes(part: dict) -> None:
+        part["before"] = 1
+        raise RuntimeError("out of memory")
+
+    assert parts.run("second", crashes) is None
+    assert json.loads(out.read_text())["second"]["error"] == "RuntimeError: out of memory"  # saved after each part
+    parts.deadline = 0.0  # the budget is spent: later parts are skipped, and say so
+    assert parts.run("third", lambda part: part.setdefault("value", 4)) is None
+    saved = json.loads(out.read_text())
+    assert saved["first"]["value"] == 3 and saved["second"]["before"] == 1
+    assert "value" not in saved["third"] and "budget" in saved["third"]["skipped"]
+    assert not list(tmp_path.glob("*.partial"))  # written whole, then moved into place
+
+
+def test_a_baseline_stopped_at_its_time_limit_is_marked_in_the_summary(gpu_check) -> None:
+    part = {
+        "labkit continuous": {"tokens_per_s": 20_000.0, "wall_s": 7.0},
+        "transformers generate_batch": {"tokens_per_s": 2_000.0, "wall_s": 60.2, "partial": "stopped at 60 s"},
+    }
+    text = summary_text(gpu_check, {"throughput nano-vllm": part})
+    assert re.search(r"nano-vllm: transformers generate_batch tok/s \(first 60 s\)\s+│\s+2,000", text)
+    assert re.search(r"nano-vllm: labkit continuous tok/s\s+│\s+20,000", text)
+    assert re.search(r"labkit continuous / transformers\s+│\s+10\.00x", text)

@@ -116,7 +116,8 @@ class DecodeGraphs:
             return
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: CUDA work on another thread (a baseline's) does not invalidate this capture.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self.outputs[size] = self.forward(ids, batch, 0)
         self.graphs[size] = graph
 

@@ -84,6 +84,7 @@ class GenerationResult:
     prompt_ids: list[int]
     generated_tokens: list[int]
     finish_reason: str | None = None
+    timestamps: list[float] | None = None  # when each token was ready (time.perf_counter), with record_timestamps
 
     def is_finished(self) -> bool:
         return self.finish_reason is not None
@@ -96,10 +97,17 @@ def generate_batch(
     *,
     continuous_batching_config: Any = None,
     max_new_tokens: int | None = None,
+    record_timestamps: bool = False,
     progress_bar: bool = False,
+    persistent_manager: bool = False,
+    warmup: bool = True,
     **engine_options: Any,
 ) -> dict[str, GenerationResult]:
     """Generate for every prompt in ``inputs`` with labkit's engine; return {"req_i": result} in input order.
+
+    transformers' own arguments mean what they mean there: ``record_timestamps`` fills each result's
+    ``timestamps``; ``persistent_manager`` and ``warmup`` are accepted and change nothing (each call builds its
+    engine, which captures its CUDA graphs as it starts).
 
     Reads ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p`` and ``eos_token_id`` from
     ``generation_config`` (a transformers GenerationConfig; default: the model's), plus the batching knobs
@@ -134,7 +142,13 @@ def generate_batch(
     engine = Engine(model, EngineConfig(**options))
     outputs = engine.generate(list(inputs), params, progress=progress_bar)
     return {
-        f"req_{i}": GenerationResult(f"req_{i}", out.prompt_token_ids, out.output_token_ids, out.finish_reason)
+        f"req_{i}": GenerationResult(
+            f"req_{i}",
+            out.prompt_token_ids,
+            out.output_token_ids,
+            out.finish_reason,
+            list(out.metrics.token_times) if record_timestamps else None,
+        )
         for i, out in enumerate(outputs)
     }
 

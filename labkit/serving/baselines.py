@@ -43,6 +43,17 @@ VLLM_INSTALL_HINT = (
 OnFinish = Callable[[int], None]  # called with the number of requests that just finished
 
 
+class TimeLimitReached(TimeoutError):
+    """A baseline stopped at its ``time_limit``: ``tokens`` generated in ``seconds``, ``finished`` of ``total`` done."""
+
+    def __init__(self, finished: int, total: int, tokens: int, seconds: float) -> None:
+        super().__init__(
+            f"stopped at its time limit after {seconds:.1f} s: {finished} of {total} requests finished,"
+            f" {tokens} tokens generated"
+        )
+        self.finished, self.total, self.tokens, self.seconds = finished, total, tokens, seconds
+
+
 # ---------------------------------------------------------------------------------------------- padded generate
 class StepClock:
     """A ``generate`` streamer that only notes when each decoding step's tokens exist.
@@ -228,9 +239,11 @@ class TransformersContinuous:
             self.model.config._attn_implementation = self._attention
             self._context = self._manager = None
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> list[list[int]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], *, time_limit: float | None = None
+    ) -> list[list[int]]:
         """Greedy, EOS off, one ``max_new_tokens`` per request; the generated tokens in input order."""
-        return [o.output_token_ids for o in self.serve(prompts, max_new_tokens)]
+        return [o.output_token_ids for o in self.serve(prompts, max_new_tokens, time_limit=time_limit)]
 
     def serve(
         self,
@@ -240,6 +253,7 @@ class TransformersContinuous:
         arrival_times: Sequence[float] | None = None,
         eos_token_ids: Collection[int] = (),
         on_finish: OnFinish | None = None,
+        time_limit: float | None = None,
     ) -> list[RequestOutput]:
         """Submit each request when it is due (all at once by default); return timed outputs in input order.
 
@@ -247,18 +261,30 @@ class TransformersContinuous:
         a timestamp per token (``record_timestamps``), and the moment the request left its queue. Those
         become the output's ``token_times`` and ``first_scheduled_time``; see :func:`_stamp_new_tokens`
         for why a finished result alone would not do.
+
+        ``time_limit`` (seconds from the call): past it, the manager is stopped without finishing the rest
+        and :class:`TimeLimitReached` says how many tokens came in that time (a benchmark's budget guard).
         """
         _check_workload(prompts, max_new_tokens)
+        if time_limit is not None:
+            _check_seconds("time_limit", time_limit)
         if self._manager is None:
             raise RuntimeError("use TransformersContinuous as a context manager")
         arrivals = _arrival_times(arrival_times, len(prompts))
         manager = self._manager
         eos = sorted(eos_token_ids) or -1
         start = time.perf_counter()
+        deadline = start + time_limit if time_limit is not None else float("inf")
         index_of: dict[str, int] = {}
         times: dict[int, list[float]] = {}
         scheduled: dict[int, float] = {}
         outputs: dict[int, RequestOutput] = {}
+
+        def stop_at_the_limit() -> None:
+            if time.perf_counter() > deadline:
+                _stop_now(manager)
+                tokens = sum(map(len, times.values()))
+                raise TimeLimitReached(len(outputs), len(prompts), tokens, time.perf_counter() - start)
 
         def take(result: Any) -> None:
             if result.error is not None:
@@ -281,7 +307,8 @@ class TransformersContinuous:
         for index in sorted(range(len(prompts)), key=arrivals.__getitem__):
             due = start + arrivals[index]
             while (wait := due - time.perf_counter()) > 0:  # collect results while the next request is not due
-                result = manager.get_result(timeout=wait)
+                stop_at_the_limit()
+                result = manager.get_result(timeout=min(wait, RESULT_POLL))
                 if result is not None:
                     take(result)
                 elif not manager.is_running():
@@ -297,6 +324,7 @@ class TransformersContinuous:
             times[index] = []
         last_result = time.perf_counter()
         while len(outputs) < len(prompts):  # polled: a manager whose thread died posts nothing, ever
+            stop_at_the_limit()
             result = manager.get_result(timeout=RESULT_POLL)
             if result is not None:
                 take(result)
@@ -306,6 +334,12 @@ class TransformersContinuous:
             elif time.perf_counter() - last_result > RESULT_TIMEOUT:
                 raise RuntimeError(f"transformers' continuous batching returned nothing for {RESULT_TIMEOUT} s")
         return [outputs[i] for i in range(len(prompts))]
+
+
+def _stop_now(manager: Any) -> None:
+    """Stop transformers' manager, failing its pending requests (a plain stop, as on exit, finishes them first)."""
+    if "hard_stop" in inspect.signature(manager.stop).parameters:
+        manager.stop(block=True, hard_stop=True)
 
 
 def _check_cpu_memory_reading() -> None:
@@ -419,6 +453,13 @@ def _check_positive(name: str, value: object) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def _check_seconds(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0 seconds, got {value}")
 
 
 def _arrival_times(arrival_times: Sequence[float] | None, n: int) -> list[float]:

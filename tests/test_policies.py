@@ -100,6 +100,24 @@ def test_priority_displaces_no_one_for_a_newcomer_that_could_not_start_anyway():
     assert {w.request_id for w in report.scheduled} == {high, low}  # both go on, each within its last block
 
 
+def test_priority_with_prefix_caching_displaces_no_one_whose_blocks_the_newcomer_would_share_anyway():
+    # No free block: middle (priority 0) and low (5) hold three each; low's first two are a cached prefix.
+    # The newcomer (0, after middle) starts with that prefix and needs two more blocks. Displacing low frees
+    # three, but two of them are the prefix it would take back: one is left, so low is not displaced in vain.
+    engine = engine_for("priority", num_blocks=6, max_num_seqs=4, enable_prefix_caching=True)
+    shared = list(range(10, 18))
+    middle = engine.add_request(list(range(30, 39)), SamplingParams(max_new_tokens=10, priority=0))
+    low = engine.add_request([*shared, 9], SamplingParams(max_new_tokens=10, priority=5))
+    engine.step()
+    assert engine.num_free_blocks == 0 and engine.num_cached_blocks >= 2
+    newcomer = engine.add_request([*shared, 40, 41, 42, 43, 44], SamplingParams(max_new_tokens=2, priority=0))
+    report = engine.step()
+    assert report.preempted == [] and report.admitted == []
+    assert {w.request_id for w in report.scheduled} == {middle, low}
+    run_to_completion(engine)
+    assert [engine.requests[r].finish_reason for r in (middle, low, newcomer)] == ["length"] * 3
+
+
 def test_priority_with_prefix_caching_counts_only_the_uncached_tokens_of_a_better_request():
     # Without chunked prefill a request must compute its prompt in one step. The second better request's
     # prompt (14 tokens) is longer than the budget the first leaves (8), but 12 of them are cached: it

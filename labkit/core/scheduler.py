@@ -417,8 +417,9 @@ class Scheduler:
         """Whether ``request``'s first chunk could get its blocks if all ``victims`` gave theirs up.
 
         Displacing requests that cannot make enough room would only make them compute their tokens again.
-        A victim frees the blocks no one else holds; the check is an upper bound (prefix sharing can only
-        make the room smaller), so a displacement it allows may still fall short, one it refuses never helps.
+        It counts as ``can_allocate`` would once they are gone: the victims free the blocks no one else
+        holds, and a cached block ``request`` would share that is then free (a victim's shared prefix, say)
+        is taken back from the free blocks, not added to them.
         """
         allocator = self.allocator
         prefix, start = self._cached_prefix(request)
@@ -426,7 +427,8 @@ class Scheduler:
         needed = allocator.blocks_needed(request.request_id, start + min(request.num_tokens - start, budget))
         held = Counter(block for victim in victims for block in allocator.block_tables.get(victim.request_id, ()))
         freed = sum(1 for block, holders in held.items() if allocator.ref_counts[block] == holders)
-        return needed - len(cached) <= allocator.num_free_blocks + freed
+        revived = sum(1 for block in cached if allocator.ref_counts[block] == held[block])
+        return needed - len(cached) <= allocator.num_free_blocks + freed - revived
 
     def _cached_prefix(self, request: Request) -> tuple[PrefixMatch | None, int]:
         """The cached blocks ``request`` would start from (None with prefix caching off), and the tokens they hold."""

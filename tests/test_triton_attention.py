@@ -326,3 +326,28 @@ def test_backend_and_graph_options_are_checked(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         resolve_attention_backend("triton", cpu)
+
+
+@pytest.mark.parametrize(
+    ("version", "capability", "expected"),
+    [("3.6.0", (9, 0), "triton"), ("3.6.0", (7, 5), "triton"), ("3.5.1", (9, 0), "torch"), ("3.6.0", (7, 0), "torch")],
+)
+def test_auto_picks_triton_only_on_a_gpu_it_builds_for(monkeypatch, version, capability, expected) -> None:
+    """An H200 or a T4 with triton >= 3.6: Triton. An older triton, or a GPU older than sm75: the torch path,
+    where asking for Triton outright says why."""
+    import importlib.metadata
+
+    from labkit.runtime import runner
+
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(
+        runner.importlib.metadata, "version", lambda name: version if name == "triton" else real_version(name)
+    )
+    monkeypatch.setattr(runner.torch.cuda, "get_device_capability", lambda device=None: capability)
+    gpu = torch.device("cuda")
+    assert runner.resolve_attention_backend("auto", gpu) == expected
+    if expected == "torch":
+        with pytest.raises(ValueError, match="use attention_backend='torch'"):
+            runner.resolve_attention_backend("triton", gpu)
+    else:
+        assert runner.resolve_attention_backend("triton", gpu) == "triton"

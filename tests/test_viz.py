@@ -219,6 +219,28 @@ def test_controls_are_linked_in_python() -> None:
     assert blocks._play.interval == 100
 
 
+def test_a_replayed_gpu_sized_cache_is_drawn_up_to_the_last_block_the_run_used() -> None:
+    engine = make_engine(num_blocks=60_000)  # a GPU's cache, sized from its memory
+    recorder = record(engine)
+    run(engine)
+    recorder.detach()
+    used = max(event.block_id for report in recorder.reports for event in report.block_events) + 1
+    assert used < 1000
+    blocks = BlockMap(recorder)
+    fig = blocks.figure(len(recorder.reports) // 2)
+    z = fig.data[0].z
+    assert len(z) * blocks.columns < used + blocks.columns  # no row of blocks the run never touched
+    assert sum(v is not None for row in z for v in row) == used
+    assert f"blocks 0-{used - 1} drawn: the run used no later one" in fig.layout.title.text
+    assert "/60000 blocks in use" in fig.layout.title.text
+    assert len(blocks.cells()) == 60_000  # the data stays whole
+    small = make_engine()  # a cache drawn whole, as every CPU notebook's
+    recorder = record(small)
+    run(small)
+    recorder.detach()
+    assert "drawn" not in BlockMap(recorder).figure(3).layout.title.text
+
+
 def test_live_blockmap_follows_the_engine_unless_rewound() -> None:
     engine = make_engine()
     blocks = BlockMap(engine, min_redraw_seconds=0)

@@ -140,7 +140,9 @@ class ModelRunner:
         """Allocate the KV cache; ``num_blocks=None`` sizes it from memory (CPU_CACHE_BYTES, CUDA_MEMORY_FRACTION)."""
         with self._on_device():
             if num_blocks is None:
-                num_blocks = self._blocks_from_memory(block_size)
+                num_blocks = self._blocks_from_memory(block_size)  # after a full-size warm-up step
+            elif self.device.type == "cuda":
+                self._warm_up(block_size, WARM_UP_TOKENS)  # the kernels compile now, not in the first timed step
             try:
                 self.cache = self._new_cache(num_blocks, block_size)
             except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
@@ -322,9 +324,9 @@ class ModelRunner:
         return max(1, int(CUDA_MEMORY_FRACTION * (free - activations) - workspace) // per_block)
 
     @torch.inference_mode()
-    def _warm_up(self, block_size: int) -> int:
-        """Run one full-size step on a throwaway cache; return the peak memory it needed beyond that cache."""
-        num_tokens = min(self.config.max_batch_tokens, self.max_model_len)
+    def _warm_up(self, block_size: int, num_tokens: int | None = None) -> int:
+        """Run one step (full-size by default) on a throwaway cache; return the peak memory it needed beyond it."""
+        num_tokens = min(num_tokens or self.config.max_batch_tokens, self.config.max_batch_tokens, self.max_model_len)
         num_rows = min(self.config.max_num_seqs, num_tokens)
         num_blocks = -(-num_tokens // block_size)
         torch.cuda.synchronize(self.device)
@@ -430,14 +432,16 @@ def resolve_dtype(dtype: Any) -> torch.dtype | None:
 
 
 def resolve_attention_backend(backend: str, device: torch.device) -> str:
-    """``"auto"`` is Triton on CUDA when triton is installed, else torch; ``"triton"`` needs one of the two
-    places Triton kernels run: a CUDA device, or (for tests, slowly) its CPU interpreter (TRITON_INTERPRET=1)."""
+    """``"auto"`` is Triton on a CUDA GPU it compiles for, else torch; ``"triton"`` needs one of the two places
+    Triton kernels run: such a GPU, or (for tests, slowly) Triton's CPU interpreter (TRITON_INTERPRET=1)."""
     has_triton = importlib.util.find_spec("triton") is not None
     if backend == "auto":
-        return "triton" if device.type == "cuda" and has_triton else "torch"
+        return "triton" if device.type == "cuda" and has_triton and not _why_no_triton_on(device) else "torch"
     if backend == "triton":
         if not has_triton:
             raise ValueError("attention_backend='triton' needs the triton package (pip install 'labkit-batching[gpu]')")
+        if device.type == "cuda" and (why := _why_no_triton_on(device)):
+            raise ValueError(f"attention_backend='triton': {why}; use attention_backend='torch'")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 "attention_backend='triton' runs on CUDA; on a CPU only under Triton's interpreter (TRITON_INTERPRET=1)"
@@ -452,13 +456,32 @@ def resolve_attention_backend(backend: str, device: torch.device) -> str:
 
 # Triton compiles labkit's kernels from 3.6 on; its CPU interpreter runs them from 3.7 on (3.6's cannot bound
 # a loop by a value the kernel loaded from memory).
+MIN_TRITON = (3, 6)
 INTERPRETER_MIN_TRITON = (3, 7)
+# Triton's oldest NVIDIA target that labkit's kernels build for: sm75 (a T4), without tensor cores below sm80.
+MIN_TRITON_CAPABILITY = (7, 5)
+WARM_UP_TOKENS = 64  # a small prefill when the engine starts on a GPU: Triton compiles the prefill kernel then
+
+
+def _why_no_triton_on(device: torch.device) -> str:
+    """Why labkit's Triton kernels cannot run on this CUDA device ("" when they can)."""
+    version = importlib.metadata.version("triton")
+    if _release(version) < MIN_TRITON:
+        return f"labkit's kernels need triton>={'.'.join(map(str, MIN_TRITON))}, this is {version}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_TRITON_CAPABILITY:
+        return f"Triton does not build for compute capability {capability[0]}.{capability[1]} (sm75 or newer)"
+    return ""
 
 
 def interpreter_runs_kernels() -> bool:
     """Whether the installed triton's CPU interpreter can run labkit's kernels (tests on machines with no GPU)."""
-    release = importlib.metadata.version("triton").split("+")[0].split(".")[:2]
-    return tuple(int(part) for part in release if part.isdigit()) >= INTERPRETER_MIN_TRITON
+    return _release(importlib.metadata.version("triton")) >= INTERPRETER_MIN_TRITON
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(major, minor) of a version string such as "3.6.0" or "3.7.0+git1234"."""
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:2] if part.isdigit())
 
 
 def resolve_use_cuda_graph(use_cuda_graph: bool | None, backend: str, device: torch.device) -> bool:

@@ -185,6 +185,13 @@ def _eos_off(model: Any, off: bool = True) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------- continuous batching
 # ContinuousBatchingConfig's block size is page_size in recent transformers, block_size in 5.17 and older.
 PAGE_SIZE = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+# Recent transformers switch an sdpa model to flash attention by themselves (downloading a kernel where the
+# `kernels` package is installed; flash attention fails below sm80, on a T4): the attention stays as set.
+NO_AUTO_FLASH = (
+    {"auto_switch_to_flash": False}
+    if "auto_switch_to_flash" in inspect.signature(ContinuousBatchingConfig).parameters
+    else {}
+)
 # Before 5.21, transformers sizes the cache on a CPU from this process's memory as psutil reads it (none without).
 PSUTIL_FREE_TRANSFORMERS = Version("5.21")
 
@@ -194,7 +201,8 @@ class TransformersContinuous:
 
     Use as a context manager. ``block_size``, ``num_blocks``, ``max_batch_tokens`` and ``max_num_seqs`` mean
     what they mean for labkit's EngineConfig (transformers calls them page_size, num_blocks,
-    max_batch_tokens, max_requests_per_batch). The model's attention implementation is restored on exit.
+    max_batch_tokens, max_requests_per_batch). It runs the model's own attention implementation (paged), which
+    is restored on exit.
     """
 
     def __init__(
@@ -215,6 +223,7 @@ class TransformersContinuous:
             max_batch_tokens=max_batch_tokens,
             max_requests_per_batch=max_num_seqs,
             allow_block_sharing=False,  # labkit has no prefix caching either
+            **NO_AUTO_FLASH,
         )
         self._attention = model.config._attn_implementation
         self._context: Any = None

@@ -31,6 +31,8 @@ REUSABLE_COLOR = "#c7e9c0"  # free, but holds a cached prefix that a later reque
 SHARED_COLOR = "#2f3e46"  # in several requests' block tables at once
 EMPTY_SHADE = 0.25  # how much colour an owned block with no filled slot keeps
 MIN_SPEED, MAX_SPEED = 0.25, 30.0  # playback, in steps per second
+# A replayed cache larger than this (a GPU's, sized from its memory) is drawn up to the last block the run used.
+MAX_DRAWN_BLOCKS = 4096
 
 
 def request_color(request_id: int) -> str:
@@ -45,7 +47,9 @@ class BlockMap(Displayable):
     or a list of StepReports (replay). ``speed`` is in steps per second of playback; a live map redraws at
     most every ``min_redraw_seconds`` (a GPU steps faster than a browser draws) and always when the
     engine runs out of work. Attach a live map before the engine's first step: blocks taken earlier are
-    not in any report.
+    not in any report. A replayed cache of more than MAX_DRAWN_BLOCKS blocks is drawn from block 0 to the
+    last one the run ever used (the free queue hands blocks out in order), so that a GPU's tens of
+    thousands do not make a grey map of megabytes; the title says so.
     """
 
     def __init__(
@@ -66,9 +70,14 @@ class BlockMap(Displayable):
                 "the recording started with blocks in the prefix cache from an earlier run, which no report"
                 " shows; attach before the engine's first step"
             )
+        self.num_drawn = num_blocks
+        if not self.recorder.live and num_blocks > MAX_DRAWN_BLOCKS:
+            events = (event.block_id for report in self.recorder.reports for event in report.block_events)
+            self.num_drawn = max(events, default=0) + 1
+        drawn = self.num_drawn
         if columns is None:  # about twice as wide as tall, cells big enough to read while they fit
-            columns = min(num_blocks, 16) if num_blocks <= 256 else 32 if num_blocks <= 1024 else None
-            columns = columns or math.ceil(math.sqrt(2 * num_blocks))
+            columns = min(drawn, 16) if drawn <= 256 else 32 if drawn <= 1024 else None
+            columns = columns or math.ceil(math.sqrt(2 * drawn))
         if isinstance(columns, bool) or not isinstance(columns, int) or columns < 1:
             raise ValueError(f"columns must be a positive int, got {columns!r}")
         if isinstance(speed, bool) or not isinstance(speed, (int, float)):
@@ -113,7 +122,7 @@ class BlockMap(Displayable):
     def figure(self, position: int | None = None) -> go.Figure:
         """A static plotly figure of the map at ``position``: for exports, scripts and kernel-less viewers."""
         state = self.history.state(self._position(position))
-        rows = math.ceil(state.num_blocks / self.columns)
+        rows = math.ceil(self.num_drawn / self.columns)
         cell = 30 if self.columns <= 16 else 20 if self.columns <= 32 else max(4, 960 // self.columns)
         gap = 2 if cell >= 10 else 0
         labels = {"texttemplate": "%{text}", "textfont": {"size": 10 if cell >= 30 else 8}} if cell >= 20 else {}
@@ -148,7 +157,7 @@ class BlockMap(Displayable):
         text: list[list[str]] = []
         hover: list[list[str]] = []
         owners = state.owners() if state.cached else {}
-        for cell in state.cells():
+        for cell in state.cells()[: self.num_drawn]:
             if cell.block_id % self.columns == 0:
                 z.append([])
                 text.append([])
@@ -183,8 +192,13 @@ class BlockMap(Displayable):
         return {"z": z, "text": text, "hovertext": hover}
 
     def _title(self, state: CacheState) -> str:
+        drawn = (
+            f" (blocks 0-{self.num_drawn - 1} drawn: the run used no later one)"
+            if self.num_drawn < state.num_blocks
+            else ""
+        )
         if state.num_applied == 0:
-            return f"KV cache before the first step: {state.num_blocks} blocks x {state.block_size} slots"
+            return f"KV cache before the first step: {state.num_blocks} blocks x {state.block_size} slots{drawn}"
         step = self.recorder.reports[state.num_applied - 1].step
         used = state.num_blocks - self.recorder.reports[state.num_applied - 1].num_free_blocks
         cells = state.cells()
@@ -197,7 +211,7 @@ class BlockMap(Displayable):
             shared = sum(1 for c in cells if c.refs > 1)
             reusable = sum(1 for c in cells if c.owner is None and c.block_id in state.cached)
             title += f"; {shared} shared, {reusable} cached and reusable"
-        return title
+        return title + drawn
 
     # ------------------------------------------------------------------ widget
     def _build_widget(self) -> Any:

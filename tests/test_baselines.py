@@ -114,6 +114,19 @@ def test_transformers_continuous_stops_at_its_time_limit_without_finishing_the_r
                 manager.serve(PROMPTS, WANTED, time_limit=bad)
 
 
+def test_transformers_continuous_keeps_the_attention_it_is_given(model, greedy, monkeypatch):
+    """Where transformers finds a flash attention it would switch an sdpa model to it (which fails below sm80,
+    as on a T4, and may download a kernel): the baseline runs the attention it was given."""
+    from transformers.generation.continuous_batching import continuous_api
+
+    for name in ("is_flash_attn_2_available", "is_flash_attn_3_available"):
+        monkeypatch.setattr(continuous_api, name, lambda *args, **kwargs: True, raising=False)
+    with TransformersContinuous(model, block_size=8, num_blocks=32) as manager:
+        assert "flash" not in model.config._attn_implementation
+        assert manager.generate(PROMPTS, WANTED) == greedy
+    assert model.config._attn_implementation == "sdpa"
+
+
 @pytest.fixture
 def soft_resets(monkeypatch):
     """The ids of the requests transformers soft-resets (drops their cache, re-queues them with their tokens)."""

@@ -231,6 +231,11 @@ def test_generate_batch_takes_every_argument_of_transformers_own(model):
     ours = inspect.signature(generate_batch).parameters
     missing = [name for name, p in theirs.items() if name != "self" and p.kind != p.VAR_KEYWORD and name not in ours]
     assert not missing, f"transformers' generate_batch has {missing}, labkit's has not"
+
+    def positional(parameters):
+        return [name for name, p in parameters.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
+
+    assert positional(ours)[1:] == positional(theirs)[1:]  # after model / self: a positional call means the same
     inputs = [[5, 6, 7, 8], [9, 10, 11] * 5]
     config = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=-1, num_blocks=32, block_size=8)
     plain = generate_batch(model, inputs, config)

@@ -216,7 +216,7 @@ def run_case(case: Case, implementation: Any, *, verbose: bool = False) -> Failu
     except Exception as error:  # the learner's own error: show it, not labkit's internals
         where = traceback.format_exc() if verbose else learner_frames(error)
         got = f"your code raised {type(error).__name__}: {error}"
-        hint = _broken_code_hint(error) or case.hint
+        hint = _error_hint(error, case.hint)
         return Failure(case.name, "error", _clip(_current_input[0]), got=_clip(got), hint=hint, traceback=where)
     return None
 
@@ -231,6 +231,14 @@ def _broken_code_hint(error: Exception) -> str:
         f"{type(error).__name__} in your {frames[-1].name}() (line {frames[-1].lineno}, shown under where):"
         " this case could not check anything, because the code stops there; fix that line and check again"
     )
+
+
+def _error_hint(error: Exception, case_hint: str) -> str:
+    """The hint for a case whose run raised: where the code stopped, if it is broken there, then the case's."""
+    broken = _broken_code_hint(error)
+    if broken and case_hint:
+        return f"{broken}. What this case checks: {case_hint}"
+    return broken or case_hint
 
 
 def run_exercise(
@@ -252,11 +260,16 @@ def learner_frames(error: BaseException) -> str:
 
 
 def _is_learner(frame: traceback.FrameSummary) -> bool:
-    """Whether a frame is the learner's: a notebook cell (``<...>``), or a file outside labkit and the environment."""
-    if "hypothesis" in frame.filename:
+    """Whether a frame is the learner's: a notebook cell, or a file outside labkit and the environment.
+
+    Code without a file (``<string>``, ``<frozen importlib._bootstrap>``, a dataclass's generated methods) is
+    not, except an IPython cell (``<ipython-input-...>``; newer IPython gives cells real file names).
+    """
+    name = frame.filename
+    if "hypothesis" in name or (name.startswith("<") and not name.startswith("<ipython-input")):
         return False
     library_dirs = {str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix)} | {str(LABKIT_DIR)}
-    return "<" in frame.filename or not any(str(Path(frame.filename).resolve()).startswith(d) for d in library_dirs)
+    return name.startswith("<") or not any(str(Path(name).resolve()).startswith(d) for d in library_dirs)
 
 
 # ---------------------------------------------------------------------- the learner's file

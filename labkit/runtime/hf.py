@@ -94,18 +94,18 @@ def generate_batch(
     model: Any,
     inputs: Sequence[Sequence[int]],
     generation_config: Any = None,
-    *,
     continuous_batching_config: Any = None,
-    max_new_tokens: int | None = None,
     record_timestamps: bool = False,
     progress_bar: bool = False,
     persistent_manager: bool = False,
     warmup: bool = True,
+    *,
+    max_new_tokens: int | None = None,
     **engine_options: Any,
 ) -> dict[str, GenerationResult]:
     """Generate for every prompt in ``inputs`` with labkit's engine; return {"req_i": result} in input order.
 
-    transformers' own arguments mean what they mean there: ``record_timestamps`` fills each result's
+    transformers' own arguments, in its order, mean what they mean there: ``record_timestamps`` fills each result's
     ``timestamps``; ``persistent_manager`` and ``warmup`` are accepted and change nothing (each call builds its
     engine, which captures its CUDA graphs as it starts).
 

@@ -139,30 +139,36 @@ class ModelRunner:
     def init_cache(self, block_size: int, num_blocks: int | None) -> int:
         """Allocate the KV cache; ``num_blocks=None`` sizes it from memory (CPU_CACHE_BYTES, CUDA_MEMORY_FRACTION)."""
         with self._on_device():
-            if num_blocks is None:
-                num_blocks = self._blocks_from_memory(block_size)  # after a full-size warm-up step
-            elif self.device.type == "cuda":
-                self._warm_up(block_size, WARM_UP_TOKENS)  # the kernels compile now, not in the first timed step
             try:
-                self.cache = self._new_cache(num_blocks, block_size)
-            except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
-                needed = num_blocks * kv_bytes_per_block(self.model, block_size)
-                self.model.to(device=self._model_was[0], dtype=self._model_was[1])  # no engine, no conversion
-                raise ValueError(
-                    f"a KV cache of {num_blocks:,} blocks of {block_size} slots needs {needed / 2**30:,.1f} GiB on"
-                    f" {self.device_name}, more than could be allocated: set a smaller num_blocks, or None to size"
-                    " it from the memory there is"
-                ) from error
-            if self.use_cuda_graph:
-                from labkit.runtime.cuda_graphs import DecodeGraphs
+                if num_blocks is None:
+                    num_blocks = self._blocks_from_memory(block_size)  # after a full-size warm-up step
+                elif self.device.type == "cuda":
+                    self._warm_up(block_size, WARM_UP_TOKENS)  # the kernels compile now, not in the first timed step
+                self.cache = self._allocate_cache(num_blocks, block_size)
+                if self.use_cuda_graph:
+                    from labkit.runtime.cuda_graphs import DecodeGraphs
 
-                with torch.inference_mode():
-                    max_blocks = -(-self.max_model_len // block_size)
-                    self.graphs = DecodeGraphs(
-                        self._forward, self.cache, self.config.max_num_seqs, max_blocks, self.uploader.table_rows
-                    )
+                    with torch.inference_mode():
+                        max_blocks = -(-self.max_model_len // block_size)
+                        self.graphs = DecodeGraphs(
+                            self._forward, self.cache, self.config.max_num_seqs, max_blocks, self.uploader.table_rows
+                        )
+            except BaseException:
+                self.model.to(device=self._model_was[0], dtype=self._model_was[1])  # no engine, no conversion
+                raise
         _RUNNERS.setdefault(self.model, weakref.WeakSet()).add(self)  # from now on it needs the model as it is
         return num_blocks
+
+    def _allocate_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        try:
+            return self._new_cache(num_blocks, block_size)
+        except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
+            needed = num_blocks * kv_bytes_per_block(self.model, block_size)
+            raise ValueError(
+                f"a KV cache of {num_blocks:,} blocks of {block_size} slots needs {needed / 2**30:,.1f} GiB on"
+                f" {self.device_name}, more than could be allocated: set a smaller num_blocks, or None to size"
+                " it from the memory there is"
+            ) from error
 
     def execute(self, output: SchedulerOutput, allocator: BlockAllocator) -> list[int]:
         """Run the model once on the step's packed tokens; return one token per sampling chunk, in order."""
@@ -449,7 +455,7 @@ def resolve_attention_backend(backend: str, device: torch.device) -> str:
         if device.type != "cuda" and not interpreter_runs_kernels():
             raise ValueError(
                 f"attention_backend='triton' on a CPU needs triton>={'.'.join(map(str, INTERPRETER_MIN_TRITON))}:"
-                f" the interpreter of triton {importlib.metadata.version('triton')} cannot run labkit's kernels"
+                f" the interpreter of triton {triton_version()} cannot run labkit's kernels"
             )
     return backend
 
@@ -458,25 +464,39 @@ def resolve_attention_backend(backend: str, device: torch.device) -> str:
 # a loop by a value the kernel loaded from memory).
 MIN_TRITON = (3, 6)
 INTERPRETER_MIN_TRITON = (3, 7)
-# Triton's oldest NVIDIA target that labkit's kernels build for: sm75 (a T4), without tensor cores below sm80.
+# The oldest NVIDIA GPUs labkit's kernels are built for: compute capability 7.5 (a T4).
 MIN_TRITON_CAPABILITY = (7, 5)
 WARM_UP_TOKENS = 64  # a small prefill when the engine starts on a GPU: Triton compiles the prefill kernel then
 
 
 def _why_no_triton_on(device: torch.device) -> str:
-    """Why labkit's Triton kernels cannot run on this CUDA device ("" when they can)."""
-    version = importlib.metadata.version("triton")
+    """Why labkit's Triton kernels do not run on this CUDA device ("" when they do)."""
+    version = triton_version()
     if _release(version) < MIN_TRITON:
         return f"labkit's kernels need triton>={'.'.join(map(str, MIN_TRITON))}, this is {version}"
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_TRITON_CAPABILITY:
-        return f"Triton does not build for compute capability {capability[0]}.{capability[1]} (sm75 or newer)"
+        major, minor = MIN_TRITON_CAPABILITY
+        return (
+            f"labkit's kernels are built for compute capability {major}.{minor} and newer, this GPU has"
+            f" {capability[0]}.{capability[1]}"
+        )
     return ""
+
+
+def triton_version() -> str:
+    """The installed triton's version, whichever distribution ships it (``triton``, or ``pytorch-triton``)."""
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        import triton
+
+        return triton.__version__
 
 
 def interpreter_runs_kernels() -> bool:
     """Whether the installed triton's CPU interpreter can run labkit's kernels (tests on machines with no GPU)."""
-    return _release(importlib.metadata.version("triton")) >= INTERPRETER_MIN_TRITON
+    return _release(triton_version()) >= INTERPRETER_MIN_TRITON
 
 
 def _release(version: str) -> tuple[int, ...]:

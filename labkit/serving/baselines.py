@@ -23,6 +23,7 @@ import importlib.util
 import inspect
 import itertools
 import time
+import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -185,13 +186,10 @@ def _eos_off(model: Any, off: bool = True) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------- continuous batching
 # ContinuousBatchingConfig's block size is page_size in recent transformers, block_size in 5.17 and older.
 PAGE_SIZE = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
-# Recent transformers switch an sdpa model to flash attention by themselves (downloading a kernel where the
-# `kernels` package is installed; flash attention fails below sm80, on a T4): the attention stays as set.
-NO_AUTO_FLASH = (
-    {"auto_switch_to_flash": False}
-    if "auto_switch_to_flash" in inspect.signature(ContinuousBatchingConfig).parameters
-    else {}
-)
+# transformers switch an sdpa model to flash attention by themselves where they find one (downloading a kernel
+# with the `kernels` package; flash attention fails below sm80, on a T4). Recent releases can be told not to;
+# older ones skip the switch for an attention already named paged (a name recent ones deprecate).
+AUTO_FLASH_SWITCH = "auto_switch_to_flash" in inspect.signature(ContinuousBatchingConfig).parameters
 # Before 5.21, transformers sizes the cache on a CPU from this process's memory as psutil reads it (none without).
 PSUTIL_FREE_TRANSFORMERS = Version("5.21")
 
@@ -201,8 +199,9 @@ class TransformersContinuous:
 
     Use as a context manager. ``block_size``, ``num_blocks``, ``max_batch_tokens`` and ``max_num_seqs`` mean
     what they mean for labkit's EngineConfig (transformers calls them page_size, num_blocks,
-    max_batch_tokens, max_requests_per_batch). It runs the model's own attention implementation (paged), which
-    is restored on exit.
+    max_batch_tokens, max_requests_per_batch). It runs the model's own attention implementation (paged),
+    which is restored on exit. After a ``serve`` stopped at its ``time_limit`` the manager is
+    stopped too: leave the context.
     """
 
     def __init__(
@@ -223,7 +222,7 @@ class TransformersContinuous:
             max_batch_tokens=max_batch_tokens,
             max_requests_per_batch=max_num_seqs,
             allow_block_sharing=False,  # labkit has no prefix caching either
-            **NO_AUTO_FLASH,
+            **({"auto_switch_to_flash": False} if AUTO_FLASH_SWITCH else {}),  # the attention stays as set
         )
         self._attention = model.config._attn_implementation
         self._context: Any = None
@@ -233,7 +232,10 @@ class TransformersContinuous:
         self._context = self.model.continuous_batching_context_manager(
             generation_config=copy.deepcopy(self.generation), continuous_batching_config=self.batching, block=True
         )
+        self._attention = self.model.config._attn_implementation
         try:
+            if not AUTO_FLASH_SWITCH and not self._attention.startswith("paged|"):
+                self.model.set_attn_implementation(f"paged|{self._attention}")  # the attention stays as set
             self._manager = self._context.__enter__()
         except BaseException:  # it may have switched the model's attention already
             self.model.config._attn_implementation = self._attention
@@ -289,12 +291,6 @@ class TransformersContinuous:
         scheduled: dict[int, float] = {}
         outputs: dict[int, RequestOutput] = {}
 
-        def stop_at_the_limit() -> None:
-            if time.perf_counter() > deadline:
-                _stop_now(manager)
-                tokens = sum(map(len, times.values()))
-                raise TimeLimitReached(len(outputs), len(prompts), tokens, time.perf_counter() - start)
-
         def take(result: Any) -> None:
             if result.error is not None:
                 raise RuntimeError(f"transformers' continuous batching failed on {result.request_id}: {result.error}")
@@ -312,6 +308,15 @@ class TransformersContinuous:
             outputs[index] = RequestOutput(index, list(prompts[index]), tokens, None, reason, metrics)
             if on_finish is not None:
                 on_finish(1)
+
+        def stop_at_the_limit() -> None:
+            if time.perf_counter() <= deadline:
+                return
+            while (result := manager.get_result(timeout=0)) is not None:  # what came out before the limit
+                take(result)
+            seconds, tokens = time.perf_counter() - start, sum(map(len, times.values()))
+            _stop_now(manager)  # not timed: stopping is not generating
+            raise TimeLimitReached(len(outputs), len(prompts), tokens, seconds)
 
         for index in sorted(range(len(prompts)), key=arrivals.__getitem__):
             due = start + arrivals[index]
@@ -349,6 +354,12 @@ def _stop_now(manager: Any) -> None:
     """Stop transformers' manager, failing its pending requests (a plain stop, as on exit, finishes them first)."""
     if "hard_stop" in inspect.signature(manager.stop).parameters:
         manager.stop(block=True, hard_stop=True)
+    else:
+        warnings.warn(
+            f"transformers {transformers.__version__} cannot stop its manager without finishing the pending"
+            " requests: leaving the context waits for them",
+            stacklevel=3,
+        )
 
 
 def _check_cpu_memory_reading() -> None:

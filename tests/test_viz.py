@@ -234,6 +234,9 @@ def test_a_replayed_gpu_sized_cache_is_drawn_up_to_the_last_block_the_run_used()
     assert f"blocks 0-{used - 1} drawn: the run used no later one" in fig.layout.title.text
     assert "/60000 blocks in use" in fig.layout.title.text
     assert len(blocks.cells()) == 60_000  # the data stays whole
+    for position in (0, len(recorder.reports) // 3, len(recorder.reports)):
+        state = blocks.history.state(position)
+        assert state.cells(used) == state.cells()[:used]  # what is drawn is the whole map's first blocks
     small = make_engine()  # a cache drawn whole, as every CPU notebook's
     recorder = record(small)
     run(small)
@@ -312,9 +315,8 @@ def test_blockmap_counts_a_shared_blocks_slots_once() -> None:
     for position in range(1, len(blocks.history) + 1):
         used = engine.num_blocks - blocks.report(position).num_free_blocks
         filled = sum(c.filled for c in blocks.cells(position) if c.owner is not None)
-        assert f"{used}/32 blocks in use, {filled}/{used * 4} of their slots filled" in blocks._title(
-            blocks.history.state(position)
-        )
+        title = blocks.figure(position).layout.title.text
+        assert f"{used}/32 blocks in use, {filled}/{used * 4} of their slots filled" in title
         assert filled <= used * 4
 
 

@@ -22,6 +22,7 @@ from contextlib import nullcontext
 from typing import Any, NamedTuple
 
 import torch
+from packaging.version import Version
 
 from labkit.core.blocks import BlockAllocator
 from labkit.core.config import EngineConfig
@@ -160,6 +161,7 @@ class ModelRunner:
         return num_blocks
 
     def _allocate_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        """The KV cache, or a ValueError naming its size when the device cannot hold it (not a bare torch OOM)."""
         try:
             return self._new_cache(num_blocks, block_size)
         except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
@@ -472,7 +474,7 @@ WARM_UP_TOKENS = 64  # a small prefill when the engine starts on a GPU: Triton c
 def _why_no_triton_on(device: torch.device) -> str:
     """Why labkit's Triton kernels do not run on this CUDA device ("" when they do)."""
     version = triton_version()
-    if _release(version) < MIN_TRITON:
+    if Version(version).release < MIN_TRITON:
         return f"labkit's kernels need triton>={'.'.join(map(str, MIN_TRITON))}, this is {version}"
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_TRITON_CAPABILITY:
@@ -496,12 +498,7 @@ def triton_version() -> str:
 
 def interpreter_runs_kernels() -> bool:
     """Whether the installed triton's CPU interpreter can run labkit's kernels (tests on machines with no GPU)."""
-    return _release(triton_version()) >= INTERPRETER_MIN_TRITON
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """(major, minor) of a version string such as "3.6.0" or "3.7.0+git1234"."""
-    return tuple(int(part) for part in version.split("+")[0].split(".")[:2] if part.isdigit())
+    return Version(triton_version()).release >= INTERPRETER_MIN_TRITON
 
 
 def resolve_use_cuda_graph(use_cuda_graph: bool | None, backend: str, device: torch.device) -> bool:

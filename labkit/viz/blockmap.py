@@ -122,6 +122,7 @@ class BlockMap(Displayable):
     def figure(self, position: int | None = None) -> go.Figure:
         """A static plotly figure of the map at ``position``: for exports, scripts and kernel-less viewers."""
         state = self.history.state(self._position(position))
+        cells = state.cells(self.num_drawn)
         rows = math.ceil(self.num_drawn / self.columns)
         cell = 30 if self.columns <= 16 else 20 if self.columns <= 32 else max(4, 960 // self.columns)
         gap = 2 if cell >= 10 else 0
@@ -136,11 +137,11 @@ class BlockMap(Displayable):
                 ygap=gap,
                 hoverinfo="text",
                 **labels,
-                **self._heatmap_data(state),
+                **self._heatmap_data(state, cells),
             )
         )
         fig.update_layout(
-            title={"text": self._title(state), "font": {"size": 14}},
+            title={"text": self._title(state, cells), "font": {"size": 14}},
             width=self.columns * cell + 40,
             height=rows * cell + 90,
             margin={"l": 20, "r": 20, "t": 50, "b": 20},
@@ -150,14 +151,14 @@ class BlockMap(Displayable):
         )
         return fig
 
-    def _heatmap_data(self, state: CacheState) -> dict[str, Any]:
+    def _heatmap_data(self, state: CacheState, cells: list[BlockCell]) -> dict[str, Any]:
         """Cell values: z encodes owner colour and fill shade, text the owner, hovertext the details."""
         size = state.block_size
         z: list[list[float | None]] = []
         text: list[list[str]] = []
         hover: list[list[str]] = []
         owners = state.owners() if state.cached else {}
-        for cell in state.cells()[: self.num_drawn]:
+        for cell in cells:
             if cell.block_id % self.columns == 0:
                 z.append([])
                 text.append([])
@@ -191,7 +192,8 @@ class BlockMap(Displayable):
         hover[-1] += [""] * pad
         return {"z": z, "text": text, "hovertext": hover}
 
-    def _title(self, state: CacheState) -> str:
+    def _title(self, state: CacheState, cells: list[BlockCell]) -> str:
+        """What the map shows; ``cells`` are the drawn ones, which hold every block the run ever used."""
         drawn = (
             f" (blocks 0-{self.num_drawn - 1} drawn: the run used no later one)"
             if self.num_drawn < state.num_blocks
@@ -201,7 +203,6 @@ class BlockMap(Displayable):
             return f"KV cache before the first step: {state.num_blocks} blocks x {state.block_size} slots{drawn}"
         step = self.recorder.reports[state.num_applied - 1].step
         used = state.num_blocks - self.recorder.reports[state.num_applied - 1].num_free_blocks
-        cells = state.cells()
         filled = sum(c.filled for c in cells if c.owner is not None)  # a shared block's slots count once
         title = (
             f"KV cache after step {step}: {used}/{state.num_blocks} blocks in use,"
@@ -292,9 +293,10 @@ class BlockMap(Displayable):
 
     def _redraw(self) -> None:
         state = self.history.state(self.position)
+        cells = state.cells(self.num_drawn)
         with self._view.batch_update() as fig:
-            fig.data[0].update(self._heatmap_data(state))
-            fig.layout.title.text = self._title(state)
+            fig.data[0].update(self._heatmap_data(state, cells))
+            fig.layout.title.text = self._title(state, cells)
         self._table.value = self._table_html(state.rows())
         self._log.value = self._log_html(self.position)
 

@@ -110,20 +110,23 @@ class CacheState:
         self.num_applied += 1
         self.time = report.end_time
 
-    def cells(self) -> list[BlockCell]:
-        """Every block: its first owner, how many of its slots are filled, and its reference count."""
-        owner: list[int | None] = [None] * self.num_blocks
-        filled = [0] * self.num_blocks
-        refs = [0] * self.num_blocks
+    def cells(self, num_blocks: int | None = None) -> list[BlockCell]:
+        """Every block (or the first ``num_blocks``): its first owner, its filled slots and its reference count."""
+        count = self.num_blocks if num_blocks is None else min(num_blocks, self.num_blocks)
+        owner: list[int | None] = [None] * count
+        filled = [0] * count
+        refs = [0] * count
         size = self.block_size
         for request_id, table in self.tables.items():
             computed = self.computed.get(request_id, 0)
             for index, block in enumerate(table):
+                if block >= count:
+                    continue
                 refs[block] += 1
                 if owner[block] is None:
                     owner[block] = request_id
                     filled[block] = min(max(computed - index * size, 0), size)
-        return [BlockCell(b, owner[b], filled[b], refs[b]) for b in range(self.num_blocks)]
+        return [BlockCell(b, owner[b], filled[b], refs[b]) for b in range(count)]
 
     def owners(self) -> dict[int, list[int]]:
         """Block id -> the requests whose tables hold it, for the blocks in use (more than one: shared)."""

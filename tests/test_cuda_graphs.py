@@ -94,6 +94,34 @@ def test_contexts_longer_than_at_capture(model: torch.nn.Module) -> None:
 
 
 @needs_cuda
+def test_a_graphed_step_whose_prompt_chunk_samples_nothing_does_not_wait_for_the_gpu(model: torch.nn.Module) -> None:
+    """A budget of 4 tokens: three decodes and a long prompt fed one token a step, whose row samples nothing. The
+    graph's logits are then picked by the header's sampling rows, already on the device; an index made from a
+    Python list would be copied from pageable memory, which waits for the GPU (the sync debug mode raises)."""
+    options = dict(max_num_seqs=4, max_batch_tokens=4, block_size=8)
+    prompts, wanted = [[5, 6, 7], [8, 9, 10], [11, 12, 13], workload(1, (30, 30))[0]], [24, 24, 24, 4]
+    engine = Engine(model, EngineConfig(device="cuda", attention_backend="triton", **options))
+    graphs, replay = engine.runner.graphs, engine.runner.graphs.run
+    watched: list[int] = []
+
+    def strict(output: Any, *args: Any) -> Any:
+        if any(not chunk.samples for chunk in output.chunks):
+            watched.append(output.step)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return replay(output, *args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    graphs.run = strict
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in wanted]
+    graphed = [o.output_token_ids for o in engine.generate(prompts, params)]
+    _, eager = run(model, prompts, wanted, use_cuda_graph=False, **options)
+    assert len(watched) > 20
+    assert graphed == eager
+
+
+@needs_cuda
 def test_a_dropped_engine_leaves_the_next_one_as_large_a_cache(model: torch.nn.Module) -> None:
     """An engine with graphs is a reference cycle (runner and graphs), so dropping it frees nothing until Python
     collects cycles; an engine that sizes its cache from free memory collects first, or it would get a tenth."""

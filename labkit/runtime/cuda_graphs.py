@@ -37,11 +37,12 @@ import torch
 
 from labkit.core.request import PENDING_TOKEN, Request
 from labkit.core.scheduler import SchedulerOutput
-from labkit.runtime.attention import BlockTableRows, PagedKVCache, long_tensor
+from labkit.runtime.attention import BlockTableRows, PagedKVCache
 from labkit.runtime.sampling import feed_back_samples
 from labkit.runtime.triton_attention import TritonBatch
 
 Forward = Callable[[torch.Tensor, TritonBatch, int], torch.Tensor]  # (input ids, batch, logits_to_keep) -> logits
+HEADER_PARTS = 5  # token ids, positions, slots, context lengths, sampling rows: one upload per step
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -78,13 +79,14 @@ class DecodeGraphs:
         self.max_batch = max_batch
         self.width = max_blocks_per_seq
         self.captured = device.type == "cuda"
-        # Static buffers. header = token ids | positions | slots | context lengths, max_batch each.
-        self.header = torch.zeros(4 * max_batch, dtype=torch.int32, device=device)
+        # Static buffers. header = token ids | positions | slots | context lengths | sampling rows, max_batch each
+        # (the graph reads the first four; the sampling rows pick the logits to sample from, after the replay).
+        self.header = torch.zeros(HEADER_PARTS * max_batch, dtype=torch.int32, device=device)
         self.header[2 * max_batch : 3 * max_batch] = -1  # warm-up and capture store nothing
         self.block_tables = torch.zeros((max_batch, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         pin = self.captured
-        self.host_header = torch.zeros(4 * max_batch, dtype=torch.int32, pin_memory=pin)
+        self.host_header = torch.zeros(HEADER_PARTS * max_batch, dtype=torch.int32, pin_memory=pin)
         self.host_tables = torch.zeros(max_batch * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
         self.copied = torch.cuda.Event() if self.captured else None  # the last copy out of the host buffers
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -96,7 +98,7 @@ class DecodeGraphs:
 
     def _inputs(self, size: int) -> tuple[torch.Tensor, TritonBatch]:
         """Views of the static buffers for a batch of ``size`` rows (the same addresses on every call)."""
-        ids, positions, slots, seq_lens = self.header.view(4, self.max_batch)[:, :size]
+        ids, positions, slots, seq_lens, _ = self.header.view(HEADER_PARTS, self.max_batch)[:, :size]
         batch = TritonBatch(
             cache=self.cache,
             slot_mapping=slots,
@@ -146,8 +148,10 @@ class DecodeGraphs:
         batch's padding row (a finished member) stores nothing and attends to its cached ``p`` keys. Async
         scheduling: a PENDING_TOKEN input is the token the previous step sampled in row
         ``previous_rows[request_id]`` of ``previous_samples``, still on the device; it is named ``-1 - row``
-        and gathered there. Two host-to-device copies: the header (4 x max_batch ints) and the used corner
-        of the block tables.
+        and gathered there. Two host-to-device copies: the header (HEADER_PARTS x max_batch ints) and the used
+        corner of the block tables. Where some row samples nothing (a long prompt's one-token chunk), the header's
+        sampling rows pick the logits on the device: an index built from a Python list would be a third copy,
+        from pageable memory, which waits for the GPU.
         """
         chunks, padding = output.chunks, output.padding
         n = len(chunks) + len(padding)
@@ -155,7 +159,7 @@ class DecodeGraphs:
         block_size = self.cache.block_size
         ids, positions, slots, seq_lens = array("i"), array("i"), array("i"), array("i")
         rows: list[list[int]] = []
-        sample_rows, sampling = [], []
+        sample_rows, sampling = array("i"), []
         fed_back = None
         for chunk in chunks:
             request, start = chunk.request, chunk.start
@@ -183,10 +187,11 @@ class DecodeGraphs:
         # Every row of the bucket is rewritten; a bucket's padded rows get token 0 at position 0, no slot, no context.
         zeros, no_slots = array("i", bytes(4 * (size - n))), array("i", [-1]) * (size - n)
         header = ids + zeros + positions + zeros + slots + no_slots + seq_lens + zeros
+        header += sample_rows + array("i", bytes(4 * (size - len(sample_rows))))
         if self.copied is not None:  # the pinned buffers are reused: the previous step's copy must have read them
             self.copied.synchronize()
-        host_header = self.host_header.view(4, self.max_batch)[:, :size]
-        host_header.copy_(torch.frombuffer(header, dtype=torch.int32).view(4, size))
+        host_header = self.host_header.view(HEADER_PARTS, self.max_batch)[:, :size]
+        host_header.copy_(torch.frombuffer(header, dtype=torch.int32).view(HEADER_PARTS, size))
         host_tables = self.host_tables[: n * width].view(n, width)
         host_tables.copy_(torch.frombuffer(flat_tables, dtype=torch.int32).view(n, width))
         self.header.copy_(self.host_header, non_blocking=True)
@@ -204,4 +209,5 @@ class DecodeGraphs:
         logits = self.outputs[size]
         if len(sample_rows) == len(chunks):  # every chunk samples: the first rows, as they are
             return logits[: len(chunks)], sampling
-        return logits[long_tensor(sample_rows, logits.device)], sampling
+        rows_index = self.header.view(HEADER_PARTS, self.max_batch)[-1, : len(sample_rows)]
+        return logits.index_select(0, rows_index), sampling

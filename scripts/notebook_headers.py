@@ -37,7 +37,7 @@ import importlib.util
 import sys
 
 if importlib.util.find_spec("labkit") is None:
-    %pip install -q "labkit-batching[widgets] @ git+{repository}"
+    %pip install -q "labkit-batching[widgets,nvml] @ git+{repository}"
 if "google.colab" in sys.modules:
     from google.colab import output
 

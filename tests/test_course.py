@@ -90,6 +90,15 @@ def test_headers_follow_the_repository_url() -> None:
     assert len(again.cells) == 2
 
 
+def test_the_install_cell_names_extras_the_project_has() -> None:
+    """pip only warns about an extra it does not know, and installs without it: a misspelt one would go unseen."""
+    source = notebook_headers.install_source(notebook_headers.repository_url())
+    extras = re.search(r'"labkit-batching\[([^\]]*)\] @', source).group(1).split(",")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert set(extras) <= set(project["optional-dependencies"]), extras
+    assert {"widgets", "nvml"} <= set(extras)  # the widgets, and NVML's utilisation on a Colab GPU
+
+
 def test_headers_read_the_project(tmp_path: Path) -> None:
     (tmp_path / "notebooks").mkdir()
     (tmp_path / "pyproject.toml").write_text(

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -76,8 +77,8 @@ def run_demo(
     """Serve the demo's requests under one policy; print one table row per step (up to ``step_rows``)."""
     engine = Engine(setup.model, replace(setup.config, policy=policy), setup.tokenizer)
     ids = [engine.add_request(prompt, p) for prompt, p in zip(setup.prompts, setup.params, strict=True)]
-    table = Table(title=f"{policy} batching, step by step ({engine.device_name})")
-    for column in ("step", "prefill", "decode", "wasted", "run", "wait", "KV cache blocks", "admitted", "finished"):
+    table = compact_table(f"{policy} batching, step by step ({engine.device_name})")
+    for column in ("step", "prefill", "decode", "wasted", "run", "wait", "KV blocks", "admitted", "finished"):
         table.add_column(column, justify="right")
     table.add_column("preempted", justify="right")
     reports = []
@@ -103,8 +104,13 @@ def run_demo(
     return reports, [engine.output(request_id) for request_id in ids]
 
 
-def kv_bar(report: StepReport, width: int = 12) -> str:
-    """KV-cache use after the step as a small bar, e.g. ``██████░░░░░░ 24/48``."""
+def compact_table(title: str) -> Table:
+    """A table whose columns are one space apart, with no rules between them: the demo fits an 80-column terminal."""
+    return Table(title=title, box=box.SIMPLE_HEAD, padding=0, show_edge=False)
+
+
+def kv_bar(report: StepReport, width: int = 8) -> str:
+    """KV-cache use after the step as a small bar, e.g. ``████░░░░ 24/48``."""
     used = report.num_blocks - report.num_free_blocks
     filled = round(width * used / report.num_blocks)
     return "█" * filled + "░" * (width - filled) + f" {used}/{report.num_blocks}"
@@ -112,7 +118,7 @@ def kv_bar(report: StepReport, width: int = 12) -> str:
 
 def summarize(runs: dict[str, list[StepReport]], clock: str, console: Console) -> None:
     """One row per policy: same requests, so the tokens are equal and only time and waste differ."""
-    table = Table(title=f"continuous vs static on the same requests ({clock})")
+    table = compact_table(f"continuous vs static on the same requests ({clock})")
     for column in ("policy", "steps", "time (s)", "tokens", "tokens/s", "wasted slots", "peak KV use", "vs static"):
         table.add_column(column, justify="right")
     summaries = [summarize_run(policy, reports) for policy, reports in runs.items()]

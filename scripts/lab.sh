@@ -31,6 +31,10 @@ if [ "$print_only" -eq 1 ]; then
   exit 0
 fi
 bash scripts/setup.sh
+# JupyterLab's defaults for the course, as on Binder (binder/overrides.json): closing a notebook shuts its kernel
+# down, since each kernel holds torch and transformers.
+mkdir -p .venv/share/jupyter/lab/settings
+cp binder/overrides.json .venv/share/jupyter/lab/settings/overrides.json
 echo "Starting JupyterLab on $start; open the http://127.0.0.1:... URL it prints below, then $start in its"
 echo "file browser if it is not open yet (Ctrl+C stops the server)."
 exec "${command[@]}"

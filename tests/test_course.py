@@ -192,6 +192,26 @@ def test_binder_environment_matches_pyproject() -> None:
     assert "--no-deps" in post_build and "-e ." in post_build
 
 
+def test_jupyterlab_overrides_name_settings_that_exist() -> None:
+    """binder/overrides.json (closing a notebook shuts its kernel down) goes where JupyterLab reads it, on Binder and
+    in scripts/lab.sh; JupyterLab ignores a setting it does not know, so each one is checked against its schema."""
+    pytest.importorskip("jupyterlab")
+    schemas = Path(sys.prefix) / "share" / "jupyter" / "lab" / "schemas"
+    overrides = json.loads((ROOT / "binder" / "overrides.json").read_text())
+    assert overrides["@jupyterlab/notebook-extension:tracker"]["kernelShutdown"] is True
+    types = {bool: "boolean", int: "number", str: "string"}
+    for plugin, settings in overrides.items():
+        package, name = plugin.rsplit(":", 1)
+        properties = json.loads((schemas / package / f"{name}.json").read_text())["properties"]
+        for key, value in settings.items():
+            assert key in properties, f"{plugin} has no setting {key!r}"
+            assert properties[key]["type"] == types[type(value)], (plugin, key)
+    target = "share/jupyter/lab/settings/overrides.json"
+    for script in ("binder/postBuild", "scripts/lab.sh"):
+        text = (ROOT / script).read_text()
+        assert "cp binder/overrides.json" in text and target.rsplit("/", 1)[0] in text, script
+
+
 def test_binder_badge_opens_the_start_notebook() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "mybinder.org/v2/gh/labkit-course/labkit/HEAD?urlpath=lab/tree/notebooks/00_start_here.ipynb" in readme

@@ -99,7 +99,7 @@ def test_a_graphed_step_whose_prompt_chunk_samples_nothing_does_not_wait_for_the
     graph's logits are then picked by the header's sampling rows, already on the device; an index made from a
     Python list would be copied from pageable memory, which waits for the GPU (the sync debug mode raises)."""
     options = dict(max_num_seqs=4, max_batch_tokens=4, block_size=8)
-    prompts, wanted = [[5, 6, 7], [8, 9, 10], [11, 12, 13], workload(1, (30, 30))[0]], [24, 24, 24, 4]
+    prompts, wanted = [[5, 6, 7], [8, 9, 10], [11, 12, 13], workload(1, (40, 40))[0]], [40, 40, 40, 4]
     engine = Engine(model, EngineConfig(device="cuda", attention_backend="triton", **options))
     graphs, replay = engine.runner.graphs, engine.runner.graphs.run
     watched: list[int] = []
@@ -117,7 +117,7 @@ def test_a_graphed_step_whose_prompt_chunk_samples_nothing_does_not_wait_for_the
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in wanted]
     graphed = [o.output_token_ids for o in engine.generate(prompts, params)]
     _, eager = run(model, prompts, wanted, use_cuda_graph=False, **options)
-    assert len(watched) > 20
+    assert len(watched) >= 30  # 37 such steps on a CPU, under Triton's interpreter
     assert graphed == eager
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import plotly.graph_objects as go
 import pytest
 
+import labkit.viz.blockmap as blockmap_module
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel, StepReport
 from labkit.viz import (
     BlockMap,
@@ -32,7 +33,8 @@ from labkit.viz import (
     show_figure,
     throughput_series,
 )
-from labkit.viz.blockmap import PALETTE, _colorscale
+from labkit.viz.blockmap import MODEBAR_HEIGHT, PALETTE, SIDE_WIDTH, _colorscale
+from labkit.viz.replay import RequestRow
 
 ipywidgets = pytest.importorskip("ipywidgets")
 
@@ -174,6 +176,67 @@ def test_blockmap_matches_allocator_every_step_live_and_replayed(tmp_path: Path,
         for position in order:  # backwards and at random: time travel
             assert [tuple(c) for c in replay.cells(position)] == snapshots[position - 1]
             assert figure_cells(replay.figure(position), replay.columns, 4) == snapshots[position - 1]
+
+
+def engine_rows(engine: Engine) -> list[RequestRow]:
+    """The request table straight from the engine's requests and allocator."""
+    return [
+        RequestRow(
+            rid,
+            expected_state(engine, request),
+            request.num_prompt_tokens,
+            len(request.output_token_ids),
+            len(engine.allocator.block_tables.get(rid, ())),
+            request.metrics.num_preemptions,
+        )
+        for rid, request in sorted(engine.requests.items())
+    ]
+
+
+def test_a_long_replay_checkpoints_only_the_requests_in_play() -> None:
+    """Replay memory must not grow with steps x requests: a checkpoint copies no finished request, and
+    time travel in random order over many checkpoints still shows what the engine held at every step."""
+    engine = make_engine(num_blocks=40)
+    recorder = record(engine)
+    for prompt, params in workload(seed=5, n=150):
+        engine.add_request(prompt, params)
+    snapshots = []
+    while engine.has_unfinished():
+        engine.step()
+        snapshots.append((allocator_cells(engine), engine_rows(engine)))
+    recorder.detach()
+    blocks = BlockMap(recorder)
+    for position in random.Random(3).sample(range(1, len(snapshots) + 1), len(snapshots)):
+        assert [tuple(c) for c in blocks.cells(position)] == snapshots[position - 1][0]
+        assert blocks.rows(position) == snapshots[position - 1][1]
+    checkpoints = blocks.history._checkpoints
+    assert len(checkpoints) > 5
+    assert checkpoints[-1].num_applied > len(snapshots) - 2 * blocks.history.CHECKPOINT_EVERY
+    assert all(not p.state.startswith("finished") for c in checkpoints for p in c.progress.values())
+    assert max(len(c.progress) for c in checkpoints) < 30  # in play, not the 150 served
+
+
+def test_a_long_run_lists_the_requests_in_play_and_counts_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table of every request would be megabytes a frame in a replay of thousands; past MAX_TABLE_ROWS it
+    lists the requests in play and counts the others."""
+    monkeypatch.setattr(blockmap_module, "MAX_TABLE_ROWS", 10)
+    engine = make_engine(num_blocks=40)
+    blocks = BlockMap(engine)
+    for prompt, params in workload(seed=5, n=30):
+        engine.add_request(prompt, params)
+    for _ in range(12):
+        engine.step()
+    rows = blocks.rows()
+    in_play = [r for r in rows if r.state in ("prefilling", "decoding", "preempted")]
+    waiting, finished = (sum(r.state.startswith(s) for r in rows) for s in ("waiting", "finished"))
+    assert 0 < len(in_play) <= 10 and waiting and finished
+    table = blocks._table_html(rows)
+    listed = [int(i) for i in re.findall(r"</span> (\d+)</td>", table)]
+    assert listed == [r.request_id for r in in_play]
+    assert f"not listed: {waiting} waiting, {finished} finished</div>" in table
+    assert len(re.findall("<tr>", blocks._table_html(rows[:10]))) == 11  # a short table lists everyone
+    before = blocks._table_html(blocks.rows(0))  # all 30 queued, none in play yet
+    assert "no requests yet" not in before and "not listed: 30 waiting, 0 finished</div>" in before
 
 
 def test_event_log_matches_step_reports() -> None:
@@ -320,6 +383,41 @@ def test_blockmap_counts_a_shared_blocks_slots_once() -> None:
         assert filled <= used * 4
 
 
+def test_blockmap_title_fits_between_the_modebar_and_the_map() -> None:
+    """Seen in a browser: a one-line title ran under plotly's modebar and was cut off at a narrow map's edge
+    (12 blocks, notebook 03; a prefix-cached run's longer title, notebook 09)."""
+    config = EngineConfig(block_size=4, num_blocks=12, max_batch_tokens=64, enable_prefix_caching=True)
+    engine = Engine(SimulatedModel(), config)
+    blocks = BlockMap(engine)
+    prefix = list(range(2, 10))
+    engine.generate([[*prefix, 40 + i] for i in range(3)], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    figures = [blocks.figure(position) for position in range(len(blocks.history) + 1)]
+    assert any(" shared, " in fig.layout.title.text for fig in figures)
+    for fig in figures:
+        title, margin = fig.layout.title, fig.layout.margin
+        lines = title.text.split("<br>")
+        assert (title.xanchor, title.yref, title.yanchor) == ("left", "container", "top")
+        assert (1 - title.y) * fig.layout.height == pytest.approx(MODEBAR_HEIGHT)  # below the modebar's band
+        assert margin.t >= MODEBAR_HEIGHT + len(lines) * 18  # and above the map
+        assert max(map(len, lines)) * 6.5 <= fig.layout.width - margin.l  # 6.5 px a character at 14 px, generous
+        assert (fig.layout.height, len(lines)) == (figures[0].layout.height, 2)  # it does not jump while it plays
+        assert fig.layout.width - margin.l - margin.r == 12 * 30  # cells keep their size in a wider figure
+
+
+def test_blockmap_side_panel_fits_its_table_and_wraps_under_a_wide_map() -> None:
+    """Seen in a browser: a fixed-width side panel clipped the table's last column ("preempte"), and beside a
+    GPU's wide map it was squeezed further; a step that moved many blocks stretched the widget with its log."""
+    engine = make_engine()
+    blocks = BlockMap(engine)
+    run(engine)
+    box = blocks.widget
+    side = box.children[1]
+    assert side.layout.width is None and side.layout.min_width == f"{SIDE_WIDTH}px"
+    assert box.layout.flex_flow == "row wrap"
+    log = blocks._log_html(1)
+    assert "max-height:" in log and "overflow-y:auto" in log and "flex-direction:column-reverse" in log
+
+
 def test_blockmap_refuses_a_recording_that_starts_with_cached_blocks() -> None:
     config = EngineConfig(block_size=4, num_blocks=32, max_batch_tokens=64, enable_prefix_caching=True)
     engine = Engine(SimulatedModel(), config)
@@ -426,6 +524,32 @@ def test_timeline_spans_match_request_metrics(policy: str) -> None:
         assert checked > 0
     else:
         assert len([s for s in spans if s.phase == "prefill"]) > len(engine.requests)  # chunked prefill
+
+
+def test_timeline_labels_every_request_and_draws_time_gridlines() -> None:
+    """Seen in a browser: plotly labelled every other request (0, 2, 4 ...) and the white background hid
+    the gridlines; a bare list of reports, which knows no requests, still gets a row's height per request."""
+    engine = make_engine()
+    recorder = record(engine)
+    run(engine)
+    fig = Timeline({"a": recorder, "b": list(recorder.reports)}).figure()
+    assert fig.layout.yaxis.dtick == 1 and fig.layout.yaxis2.dtick == 1
+    assert fig.layout.height == 140 + 2 * (60 + 14 * len(engine.requests))
+    assert fig.layout.xaxis.showgrid and fig.layout.xaxis.gridcolor != "white"
+    assert Timeline(list(recorder.reports)).figure().layout.height == 140 + 60 + 14 * len(engine.requests)
+    many = Timeline({str(i): recorder for i in range(6)}).figure()  # capped: plotly picks the ticks
+    assert many.layout.height == 1400 and many.layout.yaxis.dtick is None
+
+
+def test_throughput_draws_per_step_values_as_steps_on_a_grid() -> None:
+    """KV use and batch size hold for a whole step: a line ramping between two steps showed batch sizes no
+    step had (a static run's next batch seemed to fill gradually); gridlines make values readable."""
+    engine = make_engine("static", num_blocks=64)
+    recorder = record(engine)
+    run(engine)
+    fig = LiveThroughput(recorder).figure()
+    assert [trace.line.shape for trace in fig.data] == ["linear", "vh", "vh"]
+    assert all(axis.showgrid and axis.gridcolor != "white" for axis in (fig.layout.yaxis, fig.layout.yaxis3))
 
 
 def test_timeline_figure_stacks_runs_on_one_axis() -> None:

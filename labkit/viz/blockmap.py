@@ -33,6 +33,12 @@ EMPTY_SHADE = 0.25  # how much colour an owned block with no filled slot keeps
 MIN_SPEED, MAX_SPEED = 0.25, 30.0  # playback, in steps per second
 # A replayed cache larger than this (a GPU's, sized from its memory) is drawn up to the last block the run used.
 MAX_DRAWN_BLOCKS = 4096
+# Figure geometry in pixels: the band plotly's modebar takes at the top, one line of the 14 px title, and the
+# narrowest map area, wide enough for the longest title line (a prefix-cached run's "... shared, ... reusable").
+MODEBAR_HEIGHT, TITLE_LINE_HEIGHT, MIN_PLOT_WIDTH = 30, 18, 440
+SIDE_WIDTH = 460  # the request table and the event log beside the map; long log lines wrap at this width
+MAX_TABLE_ROWS = 200  # requests listed in the table; more are counted
+LOG_HEIGHT = 200  # a step that moves many blocks scrolls the log instead of stretching the widget
 
 
 def request_color(request_id: int) -> str:
@@ -140,11 +146,26 @@ class BlockMap(Displayable):
                 **self._heatmap_data(state, cells),
             )
         )
+        # The title's lines sit between plotly's modebar (shown on hover, top right) and the map, left-aligned;
+        # a narrow map keeps its cell size and leaves the room a title line needs to its right.
+        width = self.columns * cell
+        title = self._title(state, cells)
+        top = MODEBAR_HEIGHT + TITLE_LINE_HEIGHT * (title.count("<br>") + 1) + 10
+        height = rows * cell + top + 20
         fig.update_layout(
-            title={"text": self._title(state, cells), "font": {"size": 14}},
-            width=self.columns * cell + 40,
-            height=rows * cell + 90,
-            margin={"l": 20, "r": 20, "t": 50, "b": 20},
+            title={
+                "text": title,
+                "font": {"size": 14},
+                "x": 0,
+                "xref": "paper",
+                "xanchor": "left",
+                "y": 1 - MODEBAR_HEIGHT / height,  # plotly places a title of several lines by its top line
+                "yref": "container",
+                "yanchor": "top",
+            },
+            width=max(width, MIN_PLOT_WIDTH) + 40,
+            height=height,
+            margin={"l": 20, "r": 20 + max(MIN_PLOT_WIDTH - width, 0), "t": top, "b": 20},
             xaxis={"visible": False, "fixedrange": True},
             yaxis={"visible": False, "fixedrange": True, "autorange": "reversed"},
             plot_bgcolor="white",
@@ -193,26 +214,27 @@ class BlockMap(Displayable):
         return {"z": z, "text": text, "hovertext": hover}
 
     def _title(self, state: CacheState, cells: list[BlockCell]) -> str:
-        """What the map shows; ``cells`` are the drawn ones, which hold every block the run ever used."""
+        """What the map shows, in lines short enough for the narrowest map; as many lines at every step, so the
+        figure keeps its height while it plays. ``cells`` are the drawn ones, which hold every block the run used.
+        """
         drawn = (
-            f" (blocks 0-{self.num_drawn - 1} drawn: the run used no later one)"
+            [f"blocks 0-{self.num_drawn - 1} drawn: the run used no later one"]
             if self.num_drawn < state.num_blocks
-            else ""
+            else []
         )
         if state.num_applied == 0:
-            return f"KV cache before the first step: {state.num_blocks} blocks x {state.block_size} slots{drawn}"
+            lines = ["KV cache before the first step:", f"{state.num_blocks} blocks x {state.block_size} slots"]
+            return "<br>".join(lines + drawn)
         step = self.recorder.reports[state.num_applied - 1].step
         used = state.num_blocks - self.recorder.reports[state.num_applied - 1].num_free_blocks
         filled = sum(c.filled for c in cells if c.owner is not None)  # a shared block's slots count once
-        title = (
-            f"KV cache after step {step}: {used}/{state.num_blocks} blocks in use,"
-            f" {filled}/{used * state.block_size} of their slots filled"
-        )
+        head = f"KV cache after step {step}:"
         if state.cached:
             shared = sum(1 for c in cells if c.refs > 1)
             reusable = sum(1 for c in cells if c.owner is None and c.block_id in state.cached)
-            title += f"; {shared} shared, {reusable} cached and reusable"
-        return title + drawn
+            head += f" {shared} shared, {reusable} cached and reusable"
+        counts = f"{used}/{state.num_blocks} blocks in use, {filled}/{used * state.block_size} of their slots filled"
+        return "<br>".join([head, counts, *drawn])
 
     # ------------------------------------------------------------------ widget
     def _build_widget(self) -> Any:
@@ -248,8 +270,10 @@ class BlockMap(Displayable):
         figure_box = widgets.Box([self._view.widget])
         figure_box.add_class("labkit-blockmap-figure")
         controls = widgets.VBox([widgets.HBox([self._play, self._back, self._forward, self._slider]), self._speed])
-        side = widgets.VBox([self._table, self._log], layout=widgets.Layout(width="460px"))
-        box = widgets.HBox([widgets.VBox([figure_box, controls]), side])
+        # The side panel grows to the request table's width instead of clipping its last column, and goes under
+        # the map where the notebook is too narrow for both (a GPU's map is wide).
+        side = widgets.VBox([self._table, self._log], layout=widgets.Layout(min_width=f"{SIDE_WIDTH}px"))
+        box = widgets.HBox([widgets.VBox([figure_box, controls]), side], layout=widgets.Layout(flex_flow="row wrap"))
         box.add_class("labkit-blockmap")
         return box
 
@@ -301,11 +325,26 @@ class BlockMap(Displayable):
         self._log.value = self._log_html(self.position)
 
     def _table_html(self, rows: list[RequestRow]) -> str:
+        """The request table; past MAX_TABLE_ROWS requests, the ones in play only, the others counted.
+
+        A replay of thousands of requests would otherwise send a table of megabytes at every frame.
+        """
         head = "".join(
             f"<th style='padding:1px 6px;text-align:left'>{h}</th>"
             for h in ("request", "state", "prompt", "generated", "blocks", "preempted")
         )
         body = []
+        left_out = ""
+        if len(rows) > MAX_TABLE_ROWS:
+            in_play = [r for r in rows if r.state in ("prefilling", "decoding", "preempted")]
+            counts = [
+                f"{sum(r.state == 'waiting' for r in rows)} waiting",
+                f"{sum(r.state.startswith('finished') for r in rows)} finished",
+            ]
+            if len(in_play) > MAX_TABLE_ROWS:
+                counts.append(f"{len(in_play) - MAX_TABLE_ROWS} more in play")
+            left_out = f"<div style='color:#888;padding:1px 6px'>not listed: {', '.join(counts)}</div>"
+            rows = in_play[:MAX_TABLE_ROWS]
         for row in rows:
             color = request_color(row.request_id)
             swatch = f"<span style='display:inline-block;width:10px;height:10px;background:{color}'></span>"
@@ -313,11 +352,11 @@ class BlockMap(Displayable):
             cells = (f"{swatch} {row.request_id}", row.state, prompt, row.generated_tokens, row.num_blocks)
             cells += (row.preemptions,)
             body.append("<tr>" + "".join(f"<td style='padding:1px 6px'>{c}</td>" for c in cells) + "</tr>")
-        if not body:
+        if not body and not left_out:
             body.append("<tr><td colspan='6' style='padding:1px 6px'>no requests yet</td></tr>")
         return (
             "<div class='labkit-requests' style='max-height:300px;overflow:auto;font-size:12px;line-height:1.3;"
-            f"white-space:nowrap'><table><tr>{head}</tr>{''.join(body)}</table></div>"
+            f"white-space:nowrap'><table><tr>{head}</tr>{''.join(body)}</table>{left_out}</div>"
         )
 
     def _log_html(self, position: int, context: int = 4) -> str:
@@ -333,8 +372,12 @@ class BlockMap(Displayable):
             lines += [f"<div style='{style}'>{html.escape(line)}</div>" for line in events]
         if not lines:
             lines.append("<div>before the first step</div>")
-        style = "font-family:monospace;font-size:12px;line-height:1.35;margin-top:8px"
-        return f"<div class='labkit-log' style='{style}'>{''.join(lines)}</div>"
+        # column-reverse starts the scroll at the bottom: the step shown is in view, the steps before it above.
+        style = (
+            f"font-family:monospace;font-size:12px;line-height:1.35;margin-top:8px;max-width:{SIDE_WIDTH}px;"
+            f"max-height:{LOG_HEIGHT}px;overflow-y:auto;display:flex;flex-direction:column-reverse"
+        )
+        return f"<div class='labkit-log' style='{style}'><div>{''.join(lines)}</div></div>"
 
 
 def _colorscale() -> list[list[Any]]:

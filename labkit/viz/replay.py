@@ -9,6 +9,7 @@ a saved trace can be replayed, and stepped backwards, anywhere.
 
 from __future__ import annotations
 
+import bisect
 import numbers
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -46,7 +47,12 @@ class _Progress:
 
 
 class CacheState:
-    """The cache and the requests after ``num_applied`` reports. Treat it as read-only once returned."""
+    """The cache and the requests after ``num_applied`` reports. Treat it as read-only once returned.
+
+    A finished request never changes again, so its last progress moves to a record that every copy shares
+    (tagged with the step count at which it finished): a copy duplicates only the requests still in play,
+    which keeps a history's checkpoints from growing with the number of requests served.
+    """
 
     def __init__(self, num_blocks: int, block_size: int, requests: dict[int, RequestInfo] | None = None) -> None:
         self.num_blocks = num_blocks
@@ -56,7 +62,9 @@ class CacheState:
         self.tables: dict[int, list[int]] = {}  # request id -> block ids, in token order
         self.cached: set[int] = set()  # blocks in the prefix cache's index (in use or reusable)
         self.computed: dict[int, int] = {}  # request id -> tokens whose keys and values are cached
-        self.progress: dict[int, _Progress] = {}
+        self.progress: dict[int, _Progress] = {}  # requests seen in a report and not finished
+        # request id -> (num_applied when it finished, its final progress); shared by copies, append-only
+        self._finished: dict[int, tuple[int, _Progress]] = {}
         self.requests = requests if requests is not None else {}  # shared with a live recorder: it grows
 
     def copy(self) -> CacheState:
@@ -66,7 +74,12 @@ class CacheState:
         other.cached = set(self.cached)
         other.computed = dict(self.computed)
         other.progress = {rid: replace(p) for rid, p in self.progress.items()}
+        other._finished = self._finished
         return other
+
+    def size(self) -> int:
+        """Entries a copy duplicates: what a checkpoint of this state costs."""
+        return len(self.cached) + len(self.computed) + len(self.progress) + sum(map(len, self.tables.values()))
 
     def _progress(self, request_id: int) -> _Progress:
         if request_id not in self.progress:
@@ -77,6 +90,7 @@ class CacheState:
     def apply(self, report: StepReport) -> None:
         """Advance by one step: block events in the order they happened, then the computed tokens."""
         ended = set(report.preempted) | set(report.finished)
+        done = list(report.finished)
         for event in report.block_events:
             if event.kind in ("alloc", "hit"):  # a new block, or a reference to a cached one
                 self.tables.setdefault(event.request_id, []).append(event.block_id)
@@ -90,6 +104,7 @@ class CacheState:
                 progress = self._progress(event.request_id)
                 if event.request_id not in ended and not progress.state.startswith("finished"):
                     progress.state = "finished (abort)"  # freed outside a step: Engine.abort
+                    done.append(event.request_id)
         for request_id in report.admitted:
             self._progress(request_id).state = "prefilling"
         for work in report.scheduled:
@@ -109,6 +124,8 @@ class CacheState:
             self._progress(request_id).state = f"finished ({reason})"
         self.num_applied += 1
         self.time = report.end_time
+        for request_id in done:
+            self._finished.setdefault(request_id, (self.num_applied, self.progress.pop(request_id)))
 
     def cells(self, num_blocks: int | None = None) -> list[BlockCell]:
         """Every block (or the first ``num_blocks``): its first owner, its filled slots and its reference count."""
@@ -138,14 +155,16 @@ class CacheState:
 
     def rows(self) -> list[RequestRow]:
         """The request table: every request seen in a report, or known to have arrived by now."""
-        ids = set(self.progress)
+        finished = {rid: p for rid, (at, p) in self._finished.items() if at <= self.num_applied}
+        ids = set(self.progress) | set(finished)
         if self.time is None:  # before the first recorded step: everything queued so far
             ids.update(self.requests)
         else:
             ids.update(rid for rid, info in self.requests.items() if info.arrival_time <= self.time)
         rows = []
         for request_id in sorted(ids):
-            progress = self.progress.get(request_id) or _Progress(prompt_tokens=self.requests[request_id].prompt_tokens)
+            progress = self.progress.get(request_id) or finished.get(request_id)
+            progress = progress or _Progress(prompt_tokens=self.requests[request_id].prompt_tokens)
             rows.append(
                 RequestRow(
                     request_id,
@@ -160,10 +179,12 @@ class CacheState:
 
 
 class CacheHistory:
-    """Time travel over a recorded run: the state after any number of steps, from a checkpoint every few steps.
+    """Time travel over a recorded run: the state after any number of steps, from the nearest checkpoint.
 
-    Keeping every state would cost ``num_blocks`` per step; replaying from the start would cost every
-    step per frame. A copy every ``CHECKPOINT_EVERY`` steps bounds both.
+    Keeping every state would cost the whole cache per step; replaying from the start would cost every
+    step per frame. A copy is kept once at least ``CHECKPOINT_EVERY`` steps, and at least as many block
+    events and scheduled chunks as the copy holds entries, were applied since the last one: checkpoints then
+    take no more memory than the reports, and a frame replays no more than about one checkpoint's worth.
     """
 
     CHECKPOINT_EVERY = 32
@@ -177,6 +198,7 @@ class CacheHistory:
         if recorder.reports:
             start.time = recorder.reports[0].start_time
         self._checkpoints = [start]
+        self._positions = [0]  # each checkpoint's num_applied, ascending
 
     def __len__(self) -> int:
         """Number of recorded steps; positions run from 0 (before the first step) to ``len(history)``."""
@@ -193,13 +215,14 @@ class CacheHistory:
         """The cache after the first ``position`` recorded steps (0: before any step)."""
         self.check(position)
         reports = self.recorder.reports
-        every = self.CHECKPOINT_EVERY
-        while len(self._checkpoints) <= position // every:
-            state = self._checkpoints[-1].copy()
-            for report in reports[state.num_applied : state.num_applied + every]:
-                state.apply(report)
-            self._checkpoints.append(state)
-        state = self._checkpoints[position // every].copy()
+        state = self._checkpoints[bisect.bisect_right(self._positions, position) - 1].copy()
+        frontier = state.num_applied == self._positions[-1]  # past the last checkpoint: lay down new ones
+        work = 0
         for report in reports[state.num_applied : position]:
             state.apply(report)
+            work += len(report.block_events) + len(report.scheduled)
+            if frontier and state.num_applied - self._positions[-1] >= self.CHECKPOINT_EVERY and work >= state.size():
+                self._checkpoints.append(state.copy())
+                self._positions.append(state.num_applied)
+                work = 0
         return state

@@ -25,6 +25,10 @@ from labkit.viz.sources import as_recorders
 RUN_COLORS = {"continuous": "#4c78a8", "static": "#f58518"}
 SERIES = ("tokens_per_s", "kv_usage", "batch_size")
 SERIES_TITLES = ("generated tokens/s", "KV cache in use (%)", "requests in the step's batch")
+# A step's KV use and batch size hold for the whole step, which ends at the point plotted: drawn as steps
+# ("vh"), not as ramps through values no step had (a static run's next batch is not filled gradually).
+LINE_SHAPES = {"kv_usage": "vh", "batch_size": "vh"}
+GRID_COLOR = "#e5e5e5"  # the background is white, where plotly's default gridlines are white too
 
 
 def throughput_series(reports: list[StepReport], window: int = 8) -> dict[str, list[float]]:
@@ -114,20 +118,21 @@ class LiveThroughput(Displayable):
         fig = make_subplots(rows=3, cols=1, shared_xaxes=True, subplot_titles=SERIES_TITLES, vertical_spacing=0.09)
         for index, label in enumerate(self.runs):
             color = RUN_COLORS.get(label, PALETTE[index % len(PALETTE)])
-            for row, _ in enumerate(SERIES, start=1):
+            for row, name in enumerate(SERIES, start=1):
                 fig.add_trace(
                     go.Scatter(
                         mode="lines",
                         name=label,
                         legendgroup=label,
                         showlegend=row == 1,
-                        line={"color": color, "width": 2},
+                        line={"color": color, "width": 2, "shape": LINE_SHAPES.get(name, "linear")},
                     ),
                     row=row,
                     col=1,
                 )
         fig.update_xaxes(title_text="seconds from the run's start", row=3, col=1)
-        fig.update_yaxes(rangemode="tozero")
+        fig.update_xaxes(showgrid=True, gridcolor=GRID_COLOR)
+        fig.update_yaxes(rangemode="tozero", showgrid=True, gridcolor=GRID_COLOR)
         fig.update_layout(
             title={"text": self._title()},
             height=620,

@@ -30,6 +30,8 @@ PHASE_COLORS = {
     "finished": "#222222",
 }
 PHASES = tuple(PHASE_COLORS)
+GRID_COLOR = "#e5e5e5"
+MAX_HEIGHT = 1400  # pixels: a run of many requests is squeezed into this
 
 
 class Span(NamedTuple):
@@ -155,12 +157,17 @@ class Timeline(Displayable):
                 trace.update(name=phase, legendgroup=phase, showlegend=False, hoverinfo="text")
                 trace.marker.color = PHASE_COLORS[phase]
                 fig.add_trace(trace, row=row, col=1)
-            fig.update_yaxes(title_text="request", autorange="reversed", row=row, col=1)
+        num_requests = max((_num_requests(r) or 8 for r in self.runs.values()), default=8)
+        height = 140 + len(labels) * (60 + 14 * num_requests)
+        # Every request's row is labelled while each has its 14 px (plotly alone labels every other one); a
+        # taller figure is capped and left to plotly's own ticks. Light time gridlines: the background is white.
+        every = {"dtick": 1} if height <= MAX_HEIGHT else {}
+        fig.update_yaxes(title_text="request", autorange="reversed", **every)
+        fig.update_xaxes(showgrid=True, gridcolor=GRID_COLOR)
         fig.update_xaxes(title_text="seconds from the run's start", row=len(labels), col=1)
-        num_requests = max((len(r.requests) or 8 for r in self.runs.values()), default=8)
         fig.update_layout(
             barmode="overlay",
-            height=min(140 + len(labels) * (60 + 14 * num_requests), 1400),
+            height=min(height, MAX_HEIGHT),
             width=900,
             margin={"l": 60, "r": 20, "t": 40, "b": 40},
             plot_bgcolor="white",
@@ -201,6 +208,13 @@ class Timeline(Displayable):
         if self._widget is not None:
             with self._view.batch_update() as fig:
                 self._fill(fig)
+
+
+def _num_requests(recorder: Recorder) -> int:
+    """Requests the run shows a row for: those it knows of, and those only its reports name (a bare list)."""
+    ids = set(recorder.requests)
+    ids.update(work.request_id for report in recorder.reports for work in report.scheduled)
+    return len(ids)
 
 
 def _origin(recorder: Recorder) -> float:

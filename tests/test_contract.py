@@ -51,7 +51,8 @@ def test_generate_and_the_online_driver_stop_when_nothing_can_ever_run():
     engine = sim_engine(scheduler_cls=PlansNothing)
     with pytest.raises(RuntimeError, match="scheduled nothing"):
         engine.generate([[5, 6, 7]], GREEDY)
-    assert not engine.requests and not engine.has_unfinished()
+    assert not engine.requests and not engine.scheduler.has_unfinished()
+    assert list(engine.step().finished.values()) == ["abort"] and not engine.has_unfinished()
     with pytest.raises(RuntimeError, match="scheduled nothing"):
         run_workload(engine, [WorkloadRequest([5, 6, 7], 4)])
     assert not engine.requests and engine.num_free_blocks == engine.num_blocks

@@ -104,9 +104,10 @@ def test_refused_request_leaves_the_engine_clean():
     workload = [WorkloadRequest([5] * 8, 4, 0.0), WorkloadRequest([5] * 30, 8, 0.2)]
     with pytest.raises(ValueError, match="maximum length"):
         run_workload(e, workload)
-    assert not e.has_unfinished()
-    assert e.requests == {}
+    assert e.requests == {} and not e.scheduler.has_unfinished()
     assert e.num_free_blocks == e.num_blocks
+    report = e.step()  # the request already added was aborted: the next step says so, and nothing is left
+    assert report.finished == {0: "abort"} and not e.has_unfinished()
 
 
 def test_bad_workloads():

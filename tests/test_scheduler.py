@@ -244,6 +244,24 @@ def test_abort_of_a_waiting_request(policy):
     assert engine.num_free_blocks == engine.num_blocks
 
 
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_aborting_the_last_request_is_reported_by_a_has_unfinished_loop(policy):
+    """Nothing is left to run, but the abort and the blocks it freed are still to be reported: a loop on
+    ``has_unfinished()`` (a recorder, a widget) must see the request end, or a saved trace ends with its blocks held."""
+    engine = Engine(SimulatedModel(), EngineConfig(policy=policy, block_size=4, num_blocks=8))
+    rid = engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    engine.step()
+    held = set(engine.allocator.block_tables[rid])
+    engine.abort(rid)
+    assert not engine.scheduler.has_unfinished()
+    reports = []
+    while engine.has_unfinished():
+        reports.append(engine.step())
+    assert [r.finished for r in reports] == [{rid: "abort"}]
+    assert {e.block_id for e in reports[0].block_events if e.kind == "free"} == held
+    assert reports[0].num_free_blocks == engine.num_blocks and not reports[0].scheduled
+
+
 def test_generate_with_one_bad_prompt_queues_none_of_them():
     engine = Engine(SimulatedModel(vocab_size=100), EngineConfig(block_size=4, num_blocks=8))
     with pytest.raises(ValueError, match="outside the vocabulary"):

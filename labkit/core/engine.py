@@ -158,7 +158,10 @@ class Engine:
         return self.runner.device_name
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._ahead)
+        """Whether ``step()`` has work left: unfinished requests, steps launched ahead (async scheduling), or aborts
+        that no StepReport has listed yet, so that a ``while engine.has_unfinished(): engine.step()`` loop reports
+        every request's end, and every block it freed, to the step listeners (a recorder, a widget)."""
+        return self.scheduler.has_unfinished() or bool(self._ahead) or bool(self._aborted)
 
     # ------------------------------------------------------------------ requests
     def add_request(

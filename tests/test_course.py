@@ -336,3 +336,51 @@ def test_notebook_runs_with_other_parameters(path: Path, tmp_path: Path) -> None
     views = sum("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in outputs)
     makes = sum(c.source.count(w) for c in executed.cells if c.cell_type == "code" for w in WIDGETS)
     assert views or not makes, "the notebook makes widgets but displayed no widget view"
+
+
+def _output_text(nb: nbformat.NotebookNode) -> str:
+    """Everything the executed notebook printed or displayed as text or markdown."""
+    parts = []
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            parts.append(output.get("text", ""))
+            data = output.get("data", {})
+            parts += [data.get("text/markdown", ""), data.get("text/plain", "")]
+    return "\n".join(parts)
+
+
+def test_notebook_08_replays_the_traces_gpu_check_records(tmp_path: Path) -> None:
+    """Without a GPU, notebook 08 replays the traces a GPU run of benchmarks/gpu_check.py records: made here by the
+    script's own ``record_traces`` on a CPU (the same files, the same metadata), read through the ``traces``
+    parameter. The path that shows a real GPU run on machines without one is run before any GPU trace exists."""
+    papermill = pytest.importorskip("papermill")
+    import importlib.util
+
+    import torch
+
+    from labkit.models.random import random_model
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    settings = gpu_check.Settings(torch.device("cpu"), quick=True)
+    model = random_model(settings.model["arch"], settings.model["size"], seed=0, dtype=settings.dtype)
+    traces = tmp_path / "traces"
+    gpu_check.record_traces(model, settings, traces, bandwidth=2e10, part={})
+    path = ROOT / "notebooks" / "08_on_a_gpu.ipynb"
+    executed = papermill.execute_notebook(
+        str(path),
+        str(tmp_path / path.name),
+        parameters={"device": "cpu", "traces": str(traces)},
+        cwd=str(path.parent),
+        kernel_name="python3",
+        progress_bar=False,
+        execution_timeout=300,
+    )
+    errors = [o for c in executed.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, errors
+    text = _output_text(executed)
+    assert f"this notebook replays traces recorded on a GPU ({traces})" in text
+    assert "a replay of traces recorded on a GPU (cpu" in text and f"read from {traces}" in text
+    assert "random-weight tiny (llama)" in text  # the trace's own description of its model
+    assert re.search(r"Over \d+ decode steps, the floor came to \d+% of the measured step time", text)

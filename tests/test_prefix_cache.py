@@ -16,7 +16,9 @@ from hypothesis.stateful import initialize, invariant, rule
 
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel, load_trace, save_trace
 from labkit.core import prefix_cache
+from labkit.core.blocks import BlockAllocator
 from labkit.core.prefix_cache import PrefixCacheStats, block_hash
+from labkit.core.request import Request
 from labkit.serving.metrics import run_metrics, sum_prefix_stats
 from labkit.serving.workloads import make_workload
 from tests.conftest import ShadowedModel
@@ -133,6 +135,37 @@ def test_reusable_blocks_count_as_free_and_are_evicted_lru_only_when_no_plain_bl
     (out,) = engine.generate([[*PREFIX, 1]], params)
     assert out.num_cached_tokens == 4  # the head survived
     assert engine.reports[-1].prefix_cache.miss_evicted == 1
+
+
+def test_a_stale_block_whose_prefix_was_computed_again_elsewhere_is_evicted_as_a_plain_block():
+    """A failed step evicted two cached blocks and was rolled back: they are back in the index but stale (the model
+    may have written into them), so no lookup hands them out. A request with the same prompt computes that prefix
+    again into blocks of its own, which take over the index; the stale blocks stay reusable with no prefix, and
+    the next allocation short of plain blocks evicts them as such (and its rollback brings them back as they were)."""
+    allocator = BlockAllocator(5, 2, enable_prefix_caching=True)
+    cache = allocator.prefix_cache
+    prompt = [5, 6, 7, 8, 9]  # two full blocks of 2, then a token of its own
+    first = Request(0, prompt, SamplingParams())
+    allocator.allocate(0, 5)
+    allocator.cache_full_blocks(first, 5)
+    allocator.free(0)  # blocks 0 and 1 reusable, still indexed
+    allocator.checkpoint()
+    allocator.allocate(1, 10)  # every block: the three plain ones, then both cached ones evicted
+    allocator.rollback()  # the step failed
+    assert cache.stale == {0, 1} and set(cache.digest_of) == {0, 1}
+    again = Request(2, prompt, SamplingParams())
+    assert allocator.match_prefix(again).blocks == [] and allocator.match_prefix(again).miss == "evicted"
+    table = allocator.allocate(2, 5)
+    assert sorted(table) == [2, 3, 4]  # the plain blocks first
+    allocator.cache_full_blocks(again, 5)
+    assert set(cache.digest_of) == set(table[:2]) and set(cache.reusable) == {0, 1} == cache.stale
+    allocator.checkpoint()
+    assert allocator.allocate(3, 4) == [1, 0]  # no plain block left: the stale ones, in LRU order (a tail first)
+    assert not cache.reusable and not cache.stale and set(cache.digest_of) == set(table[:2])
+    allocator.rollback()
+    assert set(cache.reusable) == {0, 1} == cache.stale and set(cache.digest_of) == set(table[:2])
+    allocator.free(2)
+    assert allocator.match_prefix(Request(4, prompt, SamplingParams())).blocks == table[:2]  # the rewritten copy
 
 
 def test_miss_reasons_tell_short_prompts_evicted_prefixes_and_new_ones_apart():

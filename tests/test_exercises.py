@@ -8,8 +8,10 @@ import functools
 import hashlib
 import json
 import operator
+import os
 import re
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ from labkit.core.blocks import BlockAllocator, BlockEvent, NoFreeBlocksError
 from labkit.core.prefix_cache import PrefixCache, PrefixMatch
 from labkit.core.request import RequestState
 from labkit.core.scheduler import Scheduler, SchedulerOutput
-from labkit.exercises import check, exercises, get, load_implementation, reference
+from labkit.exercises import check, check_file, exercises, get, load_implementation, reference
 from labkit.runtime.attention import paged_attention, slot_mapping
 from labkit.runtime.sampling import Sampler
 
@@ -1133,6 +1135,20 @@ def test_check_prints_feedback_and_imports_the_file_afresh(tmp_path, capsys):
     assert "check(2, slot_mapping)" in missing
 
 
+def test_a_second_save_of_the_same_length_within_the_same_second_is_checked(tmp_path, monkeypatch):
+    """Python's cached bytecode is matched to a file by its size and mtime in whole seconds: a quick second save of
+    the same length (a typo fixed, ``<`` for ``>``) must not run the version before it."""
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)  # as on a learner's machine: .pyc files get written
+    file = tmp_path / get(2).filename
+    file.write_text("def slot_mapping(segments, block_size, scratch_slot):\n    return [1]\n")
+    before = file.stat()
+    assert load_implementation(get(2), tmp_path)[0]([], 1, 0) == [1]
+    file.write_text("def slot_mapping(segments, block_size, scratch_slot):\n    return [2]\n")
+    os.utime(file, ns=(before.st_atime_ns, before.st_mtime_ns))  # saved again within the same second
+    assert file.stat().st_size == before.st_size
+    assert load_implementation(get(2), tmp_path)[0]([], 1, 0) == [2]
+
+
 def test_labkit_check_prints_progress_and_json(tmp_path, capsys):
     (tmp_path / "ex1_block_allocator.py").write_text(
         "from labkit.core.blocks import BlockAllocator as MyBlockAllocator\n"
@@ -1146,6 +1162,38 @@ def test_labkit_check_prints_progress_and_json(tmp_path, capsys):
     assert main(["check", "1", "--json", "--path", str(tmp_path)]) == 0
     [entry] = json.loads(capsys.readouterr().out)
     assert entry["status"] == "passed" and entry["passed"] == entry["cases"] == len(get(1).cases)
+
+
+def test_labkit_check_watch_checks_an_exercise_again_each_time_its_file_is_saved(tmp_path, capsys):
+    """The learner saves a wrong solution, then a right one: each save is checked at once; an untouched file is not."""
+    from rich.console import Console
+
+    from labkit.exercises.command import watch
+
+    stub = tmp_path / get(2).filename
+    stub.write_text((STUBS / get(2).filename).read_text())
+    (tmp_path / get(1).filename).write_text((STUBS / get(1).filename).read_text())
+    saves = [
+        "def slot_mapping(segments, block_size, scratch_slot):\n    return []\n",
+        "from labkit.runtime.attention import slot_mapping\n",
+    ]
+
+    def learner_at_work(seconds: float) -> None:  # stands in for time.sleep between looks at the files
+        if not saves:
+            raise KeyboardInterrupt
+        stub.write_text(saves.pop(0))
+
+    chosen = [get(1), get(2)]
+    first = [check_file(exercise, tmp_path) for exercise in chosen]
+    latest = watch(chosen, first, str(tmp_path), Console(width=100), sleep=learner_at_work)
+    out = capsys.readouterr().out
+    assert [r.status for r in latest] == ["not started", "passed"]
+    assert out.count("exercise 2 saved") == 2 and "exercise 1 saved" not in out
+    assert "exercise 2 saved: failing" in out and "exercise 2 saved: passed" in out
+    assert "✓ all" in out and "1 of 2 exercises pass" in out and "Stopped watching" in out
+    with pytest.raises(SystemExit):
+        main(["check", "--watch", "--json"])
+    assert "--watch prints for a person" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ the references inside the engine

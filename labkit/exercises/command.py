@@ -1,18 +1,26 @@
-"""``labkit check``: every exercise's status against the learner's files, as a progress table (or JSON)."""
+"""``labkit check``: every exercise's status against the learner's files, as a progress table (or JSON).
+
+``labkit check --watch`` stays on and checks an exercise again each time its file is saved, as rustlings' watch
+mode does: edit, save, read the feedback, with no command to retype.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from rich.console import Console
 from rich.table import Table
 
-from labkit.exercises import check_file, exercises
+from labkit.exercises import CheckResult, Exercise, check_file, exercises
+from labkit.exercises.framework import find_learner_file
 
 STYLES = {"passed": "green", "failing": "red", "not started": "dim"}
+WATCH_INTERVAL = 0.5  # seconds between looks at the learner's files
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -24,17 +32,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--path", help="the folder holding your exercise files (default: ./exercises)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON (for instructors)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print the feedback of every failing exercise")
+    parser.add_argument(
+        "-w", "--watch", action="store_true", help="stay on: check an exercise again each time its file is saved"
+    )
     args = parser.parse_args(argv)
     table = exercises()
     unknown = sorted(set(args.numbers) - set(table))
     if unknown:
         parser.error(f"no exercise {unknown[0]}; there are {sorted(table)}")
+    if args.watch and args.json:
+        parser.error("--watch prints for a person; --json is for a script, which runs once")
     chosen = [table[n] for n in args.numbers] if args.numbers else list(table.values())
     results = [check_file(exercise, args.path) for exercise in chosen]
     if args.json:
         print(json.dumps([r.to_dict() for r in results], indent=2))
         return 0 if all(r.passed for r in results) else 1
     console = Console()
+    show_progress(results, console, verbose=args.verbose)
+    if args.watch:
+        results = watch(chosen, results, args.path, console)
+    return 0 if all(r.passed for r in results) else 1
+
+
+def show_progress(results: list[CheckResult], console: Console, *, verbose: bool) -> None:
+    """The progress table, then every failing exercise's feedback (verbose) or which one to do next."""
     view = Table(title="labkit exercises")
     for column in ("#", "exercise", "status", "checks"):
         view.add_column(column, justify="right" if column in ("#", "checks") else "left")
@@ -45,14 +66,58 @@ def main(argv: Sequence[str] | None = None) -> int:
     done = sum(r.passed for r in results)
     console.print(f"{done} of {len(results)} exercises pass.")
     for r in results:
-        if args.verbose and not r.passed:
+        if verbose and not r.passed:
             print(r.report(), end="\n\n")
     following = next((r for r in results if not r.passed), None)
-    if following is not None and not args.verbose:
+    if following is not None and not verbose:
         console.print(
             f"Next: exercise {following.number}. Details: labkit check {following.number} -v", highlight=False
         )
-    return 0 if done == len(results) else 1
+
+
+def watch(
+    chosen: list[Exercise],
+    results: list[CheckResult],
+    path: str | None,
+    console: Console,
+    sleep: Callable[[float], None] = time.sleep,
+) -> list[CheckResult]:
+    """Until Ctrl+C: each time a learner's file changes, check that exercise again and print its feedback.
+
+    A file counts as changed when its modification time or size does; one that appears (a new exercise file)
+    counts too. Returns the latest result of every exercise.
+    """
+    results = list(results)
+    seen = {exercise.number: _signature(exercise, path) for exercise in chosen}
+    console.print(f"Watching {len(chosen)} exercise file(s) for changes; Ctrl+C stops.", highlight=False)
+    sys.stdout.flush()
+    try:
+        while True:
+            sleep(WATCH_INTERVAL)
+            for index, exercise in enumerate(chosen):
+                signature = _signature(exercise, path)
+                if signature == seen[exercise.number]:
+                    continue
+                seen[exercise.number] = signature
+                results[index] = result = check_file(exercise, path)
+                console.rule(f"exercise {exercise.number} saved: {result.status}", style=STYLES[result.status])
+                print(result.report(), end="\n\n")
+                done = sum(r.passed for r in results)
+                console.print(f"{done} of {len(results)} exercises pass.")
+                sys.stdout.flush()  # shown at once, also where the output goes to a pipe or a file
+    except KeyboardInterrupt:
+        console.print("Stopped watching.")
+    return results
+
+
+def _signature(exercise: Exercise, path: str | None) -> tuple[int, int] | None:
+    """When the learner's file last changed, and its size; None while it does not exist."""
+    file = find_learner_file(exercise, path)
+    try:
+        stat = os.stat(file) if file is not None else None
+    except OSError:
+        return None
+    return None if stat is None else (stat.st_mtime_ns, stat.st_size)
 
 
 if __name__ == "__main__":

@@ -294,7 +294,10 @@ def load_learner(exercise: Exercise, file: Path) -> Any:
         raise ImportError(f"cannot import {file}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    # Compiled from the source each time, never from a cached .pyc: that one is matched to the file by its size and
+    # its modification time in whole seconds, so a second save of the same length within a second would run the
+    # version saved before it.
+    exec(compile(file.read_bytes(), str(file), "exec"), module.__dict__)
     if not hasattr(module, exercise.export):
         raise AttributeError(f"{file.name} defines no {exercise.export!r}")
     return getattr(module, exercise.export)

@@ -13,7 +13,8 @@ labkit's own methods also journal each change (``self.record_undo``) so that a s
 be rolled back; yours may leave that out (the checks do not need it), at the price that a step failing
 after your ``allocate`` cannot be undone.
 
-Check it: ``labkit check``, ``pytest -m ex1 exercises/``, or ``labkit.exercises.check(1)`` in a notebook.
+Check it: ``labkit check``, ``pytest -m ex1 exercises/``, or ``labkit.exercises.check(1)`` in a notebook;
+``labkit check 1 --watch`` checks it again each time you save this file.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ A request's KV cache is the list of blocks in its block table, each ``block_size
 step is *packed*: segments (runs of consecutive tokens of one request) concatenated into one batch.
 Before the model runs, every token needs the cache slot its key and value go to: the slot mapping.
 
-Check it: ``labkit check``, ``pytest -m ex2 exercises/``, or ``labkit.exercises.check(2)`` in a notebook.
+Check it: ``labkit check``, ``pytest -m ex2 exercises/``, or ``labkit.exercises.check(2)`` in a notebook;
+``labkit check 2 --watch`` checks it again each time you save this file.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ state it reads and the helpers it calls are labkit's (``labkit.core.scheduler.Sc
 A plan changes nothing but the allocator: do not pop from the queues or change requests here; ``update``
 applies the plan once the model has run (so a failed step can be rolled back).
 
-Check it: ``labkit check``, ``pytest -m ex3 exercises/``, or ``labkit.exercises.check(3)`` in a notebook.
+Check it: ``labkit check``, ``pytest -m ex3 exercises/``, or ``labkit.exercises.check(3)`` in a notebook;
+``labkit check 3 --watch`` checks it again each time you save this file.
 """
 
 from __future__ import annotations

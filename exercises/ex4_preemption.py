@@ -10,7 +10,8 @@ Fill in both. The state they use is labkit's (``labkit.core.scheduler.Scheduler`
 ``self.waiting`` (the waiting queue, the front one next; ``appendleft`` and ``append`` as on a deque),
 ``victim.num_computed_tokens``, ``victim.state``, ``victim.metrics.num_preemptions``.
 
-Check it: ``labkit check``, ``pytest -m ex4 exercises/``, or ``labkit.exercises.check(4)`` in a notebook.
+Check it: ``labkit check``, ``pytest -m ex4 exercises/``, or ``labkit.exercises.check(4)`` in a notebook;
+``labkit check 4 --watch`` checks it again each time you save this file.
 """
 
 from __future__ import annotations

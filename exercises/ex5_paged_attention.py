@@ -4,7 +4,8 @@ The KV cache of one layer is two tensors of shape (KV heads, num_blocks, block_s
 tokens are spread over the blocks of its block table, in order but not contiguous. Attention needs its
 whole context: gather it, then compute ordinary causal attention for the request's newest tokens.
 
-Check it: ``labkit check``, ``pytest -m ex5 exercises/``, or ``labkit.exercises.check(5)`` in a notebook.
+Check it: ``labkit check``, ``pytest -m ex5 exercises/``, or ``labkit.exercises.check(5)`` in a notebook;
+``labkit check 5 --watch`` checks it again each time you save this file.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ labkit's ``Sampler`` turns each seeded request's ``(seed, n)`` into a uniform nu
 no shared random state), so a request draws the same tokens alone, in any batch, and after being
 preempted and recomputed. Fill in ``sample_rows``: turn logits and that number into a token.
 
-Check it: ``labkit check``, ``pytest -m ex6 exercises/``, or ``labkit.exercises.check(6)`` in a notebook.
+Check it: ``labkit check``, ``pytest -m ex6 exercises/``, or ``labkit.exercises.check(6)`` in a notebook;
+``labkit check 6 --watch`` checks it again each time you save this file.
 """
 
 from __future__ import annotations

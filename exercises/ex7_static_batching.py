@@ -9,7 +9,8 @@ done. Fill in ``form_static_batch``; the state it uses is labkit's:
 * ``self.allocator.can_allocate(request_id, n)`` and ``self.allocator.allocate(request_id, n)``;
 * ``output.admitted``: the planned batch.
 
-Check it: ``labkit check``, ``pytest -m ex7 exercises/``, or ``labkit.exercises.check(7)`` in a notebook.
+Check it: ``labkit check``, ``pytest -m ex7 exercises/``, or ``labkit.exercises.check(7)`` in a notebook;
+``labkit check 7 --watch`` checks it again each time you save this file.
 """
 
 from __future__ import annotations

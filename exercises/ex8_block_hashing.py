@@ -20,7 +20,8 @@ that shares the blocks you find) is labkit's. The state you read, kept by ``Pref
 
 Plug it into the engine: ``Engine(model, EngineConfig(enable_prefix_caching=True),
 allocator_cls=allocator_for(MyPrefixCache))`` (``from labkit.exercises.ex8_block_hashing import allocator_for``).
-Check it: ``labkit check``, ``pytest -m ex8 exercises/``, or ``labkit.exercises.check(8)`` in a notebook.
+Check it: ``labkit check``, ``pytest -m ex8 exercises/``, or ``labkit.exercises.check(8)`` in a notebook;
+``labkit check 8 --watch`` checks it again each time you save this file.
 """
 
 from __future__ import annotations

@@ -23,10 +23,10 @@ from pathlib import Path
 import nbformat
 import plotly.io as pio
 from nbconvert import HTMLExporter
-from nbconvert.preprocessors import ExecutePreprocessor
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
+import run_notebooks  # noqa: E402
 from notebook_headers import notebook_paths  # noqa: E402
 
 PLOTLY_MIMETYPE = "application/vnd.plotly.v1+json"
@@ -62,9 +62,7 @@ def build(out: Path, execute: bool = False, timeout: int = 300) -> list[Path]:
     for path in notebook_paths(ROOT):
         nb = nbformat.read(path, as_version=4)
         if execute:
-            ExecutePreprocessor(timeout=timeout, store_widget_state=False).preprocess(
-                nb, {"metadata": {"path": str(path.parent)}}
-            )
+            run_notebooks.execute(nb, path, timeout)
         relative = path.relative_to(ROOT)
         body, _ = exporter.from_notebook_node(make_static(nb))
         page = out / relative.with_suffix(".html")

@@ -251,6 +251,25 @@ def _figure_outputs(nb: nbformat.NotebookNode) -> int:
     return count
 
 
+def test_run_notebooks_saves_fresh_outputs_and_no_widget_state(tmp_path: Path) -> None:
+    """What scripts/run_notebooks.py saves: this run's outputs, a widget's view but not its state (megabytes of
+    plotly.js in a course notebook), and the CI environment the kernel ran in."""
+    import run_notebooks
+
+    source = "import os\nimport ipywidgets\nprint(os.environ['OMP_NUM_THREADS'], os.environ['HF_HUB_OFFLINE'])\n"
+    cells = [nbformat.v4.new_code_cell(source + "ipywidgets.IntSlider(value=3)")]
+    path = tmp_path / "widget.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), path)
+    assert run_notebooks.run_in_place(path) > 0
+    saved = _read(path)
+    outputs = saved.cells[0].outputs
+    assert outputs[0].text == "1 1\n"
+    assert "application/vnd.jupyter.widget-view+json" in outputs[1].data
+    assert "widgets" not in saved.metadata
+    with pytest.raises(SystemExit):
+        run_notebooks.main([str(tmp_path / "missing.ipynb")])
+
+
 def test_site_renders_every_notebook_with_its_figures(tmp_path: Path) -> None:
     import build_site
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -113,11 +112,13 @@ def watch(
 def _signature(exercise: Exercise, path: str | None) -> tuple[int, int] | None:
     """When the learner's file last changed, and its size; None while it does not exist."""
     file = find_learner_file(exercise, path)
+    if file is None:
+        return None
     try:
-        stat = os.stat(file) if file is not None else None
+        stat = file.stat()
     except OSError:
         return None
-    return None if stat is None else (stat.st_mtime_ns, stat.st_size)
+    return stat.st_mtime_ns, stat.st_size
 
 
 if __name__ == "__main__":

@@ -19,6 +19,9 @@ from labkit.viz._compat import (
     widgets_enabled,
 )
 
+# Gridlines on the widgets' white backgrounds, where plotly's default gridlines are white too.
+GRID_COLOR = "#e5e5e5"
+
 
 def show_figure(figure: go.Figure) -> None:
     """Display a plotly figure that every viewer draws, unlike ``figure.show()``, whose output only a live

@@ -18,7 +18,7 @@ from plotly.subplots import make_subplots
 from labkit.core.report import RunSummary, StepReport, summarize_run
 from labkit.core.trace import Recorder
 from labkit.viz._compat import FigureView, Throttle
-from labkit.viz._display import Displayable
+from labkit.viz._display import GRID_COLOR, Displayable
 from labkit.viz.blockmap import PALETTE
 from labkit.viz.sources import as_recorders
 
@@ -28,7 +28,6 @@ SERIES_TITLES = ("generated tokens/s", "KV cache in use (%)", "requests in the s
 # A step's KV use and batch size hold for the whole step, which ends at the point plotted: drawn as steps
 # ("vh"), not as ramps through values no step had (a static run's next batch is not filled gradually).
 LINE_SHAPES = {"kv_usage": "vh", "batch_size": "vh"}
-GRID_COLOR = "#e5e5e5"  # the background is white, where plotly's default gridlines are white too
 
 
 def throughput_series(reports: list[StepReport], window: int = 8) -> dict[str, list[float]]:

@@ -18,7 +18,7 @@ from plotly.subplots import make_subplots
 from labkit.core.report import StepReport
 from labkit.core.trace import Recorder
 from labkit.viz._compat import FigureView, Throttle
-from labkit.viz._display import Displayable
+from labkit.viz._display import GRID_COLOR, Displayable
 from labkit.viz.sources import as_recorder, as_recorders
 
 PHASE_COLORS = {
@@ -30,7 +30,6 @@ PHASE_COLORS = {
     "finished": "#222222",
 }
 PHASES = tuple(PHASE_COLORS)
-GRID_COLOR = "#e5e5e5"
 MAX_HEIGHT = 1400  # pixels: a run of many requests is squeezed into this
 
 

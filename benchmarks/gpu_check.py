@@ -198,9 +198,6 @@ class Parts:
         save(self.results, self.out)
         return value
 
-    def seconds_left(self) -> float:
-        return self.deadline - time.perf_counter()
-
 
 def save(results: dict[str, Any], out: Path) -> None:
     """Write the JSON whole or not at all: a time limit's kill mid-write leaves the previous file."""

@@ -262,6 +262,8 @@ def test_a_shared_prefix_workload_hits_what_it_implies_and_prefill_drops_by_as_m
     whole_hits = sum(1 for o in on if o.request_id not in first_step and (len(o.prompt_token_ids) - 1) // 16 == 4)
     assert (stats.miss_new, stats.miss_evicted, stats.miss_short) == (32 - whole_hits, 0, 0)
     assert stats.hit_rate == pytest.approx(sum(expected) / sum(len(p) for p in prompts))
+    # Blocks that could have hit: every full block but the one holding a prompt's last token.
+    assert stats.block_hit_rate == pytest.approx(sum(expected) // 16 / sum((len(p) - 1) // 16 for p in prompts))
     m_off, m_on = run_metrics(off, off_reports), run_metrics(on, on_reports)
     assert m_off.num_prefill_tokens == sum(len(p) for p in prompts)
     assert m_on.num_prefill_tokens == m_off.num_prefill_tokens - sum(expected)

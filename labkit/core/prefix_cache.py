@@ -34,8 +34,6 @@ from typing import NamedTuple
 
 from labkit.core.request import Request
 
-MISS_REASONS = ("short", "evicted", "new")  # prompt shorter than one block, prefix evicted, never seen
-
 
 def block_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     """The digest of a full block: SHA-256 of its parent block's digest (none for the first) and its tokens."""

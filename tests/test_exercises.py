@@ -731,6 +731,7 @@ class RowByRow(Sampler):
     renormalise = True  # top-p on the probabilities top-k left, renormalised
     by_probability = True  # the inverse CDF walks the tokens in decreasing probability
     temper_first = True  # the nucleus is taken from the tempered probabilities
+    rescale = True  # the walk compares with uniform times the kept mass
 
     def sample_rows(self, logits, temperature, top_k, top_p, uniform):
         rows = zip(logits, temperature.tolist(), top_k.tolist(), top_p.tolist(), uniform.tolist(), strict=True)
@@ -745,7 +746,7 @@ class RowByRow(Sampler):
             nucleus_of = probs if self.temper_first else logits.softmax(-1)
             keep &= self.nucleus(nucleus_of, order, keep, top_p) if nucleus else by_k
         walk = [t for t in (order if self.by_probability else range(len(order))) if t in keep]
-        target, mass = uniform * sum(float(probs[t]) for t in walk), 0.0
+        target, mass = uniform * (sum(float(probs[t]) for t in walk) if self.rescale else 1.0), 0.0
         for token in walk:
             mass += float(probs[token])
             if mass > target:
@@ -860,6 +861,23 @@ def test_ex6_one_rows_parameters_for_every_row_is_named():
     assert "rows with (0.5, 0, 1.0)" in text and "use row i's values for row i" in text
     _, messages = failing(6, FirstRowsFilters)  # right alone, wrong in a batch: the rows' values, not randomness
     assert "use row i's values for row i" in messages["a row draws the same token alone and in a batch"]
+
+
+class UniformNotRescaled(RowByRow):
+    """Walks the kept tokens against the uniform alone: a uniform above the kept mass falls to the last one."""
+
+    rescale = False
+
+
+def test_ex6_a_draw_against_the_uniform_alone_is_named():
+    _, messages = failing(6, UniformNotRescaled)
+    tie = messages["a nucleus whose mass equals top_p exactly keeps no further token"]
+    assert "expected: 2 of the 4 tokens drawn, shares [0.5, 0.5]" in tie and "got:      2 of the 4" in tie
+    top_k = messages["top_k keeps the k most likely tokens"]
+    for text in (tie, top_k):
+        assert "the filters keep the right tokens" in text and "uniform times the kept mass" in text
+        assert ">= top_p, not >" not in text and "keep the top_k most likely" not in text
+    assert "temperature 1 draws each token with its softmax probability" not in messages  # nothing is cut there
 
 
 def test_ex6_top_p_at_an_exact_tie_is_named():

@@ -66,6 +66,8 @@ def distribution_case(name: str, hint: str, probs: list[float], temperature: flo
             note += f"It never drew token(s) {missing}, which should stay. " if missing else ""
             if _shares(got) != _shares(expected):
                 want, have = f"tokens drawn with shares {_shares(expected)}", f"shares {_shares(got)}"
+                if set(got) == set(expected) and len(set(expected)) < len(probs):  # the filters kept the right ones
+                    raise Mismatch(text, want, have, RESCALE_HINT)
             else:  # every token as often as it should, but for other uniforms: the walk's order is wrong
                 want, have = _by_uniform(expected), _by_uniform(got)
                 note += "Each token is drawn as often as it should be, but for other uniform values. "
@@ -94,7 +96,8 @@ def _top_p_tie(cls: Any) -> None:
     got = sorted(_shares(_draw(cls(), *batch)).values())
     if got != expected:
         want = f"{len(expected)} of the {vocab} tokens drawn, shares {expected}"
-        raise Mismatch(text, want, f"{len(got)} of the {vocab} tokens drawn, shares {got}", TOP_P_TIE_HINT)
+        hint = RESCALE_HINT if len(got) == len(expected) else TOP_P_TIE_HINT  # the right nucleus, drawn unevenly
+        raise Mismatch(text, want, f"{len(got)} of the {vocab} tokens drawn, shares {got}", hint)
 
 
 def _batch_invariance(cls: Any) -> None:
@@ -199,6 +202,12 @@ TOP_P_TIE_HINT = (
     "the mass before the third token is exactly 0.5 == top_p: the first two already reach top_p, so the third is"
     " dropped. Drop a token when the mass before it is >= top_p, not > (which of the equally likely tokens"
     " stay does not matter here)"
+)
+RESCALE_HINT = (
+    "the filters keep the right tokens, but they are drawn in other proportions: the kept tokens' probabilities"
+    " add up to less than 1 once top-k or top-p has cut some, so take the first token whose cumulative"
+    " probability exceeds uniform times the kept mass (or renormalise the kept probabilities first); against"
+    " the uniform alone, every uniform above the kept mass falls through the walk"
 )
 CDF_HINT = (
     "walk the kept tokens in order of decreasing probability, not in vocabulary order: sort the probabilities"

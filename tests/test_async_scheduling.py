@@ -30,6 +30,7 @@ from labkit import Engine, EngineConfig, SamplingParams
 from labkit.core.config import SCHEDULING
 from labkit.core.request import PENDING_TOKEN
 from labkit.core.sim import SimulatedModel
+from labkit.serving.metrics import request_stats
 from tests.conftest import Boom
 
 
@@ -173,6 +174,22 @@ def test_a_stopped_request_s_next_row_is_thrown_away() -> None:
         assert [w.request_id for w in after.padding].count(request_id) == 1
         assert request_id not in [w.request_id for w in after.scheduled]
     check_reports(reports, outputs, engine)
+
+
+def test_a_request_aborted_before_its_first_token_was_read_has_no_time_to_first_token() -> None:
+    engine = Engine(SimulatedModel(), EngineConfig(async_scheduling=True, max_num_seqs=4))
+    first = engine.add_request([3, 4, 5], SamplingParams(max_new_tokens=20))
+    engine.step()  # launches two steps and reads the first one's token: the second's is still in flight
+    late = engine.add_request([3, 4, 6], SamplingParams(max_new_tokens=20))
+    engine.step()  # launches the step that prefills the late request; its token is not read yet
+    assert engine.requests[late].output_token_ids == [PENDING_TOKEN]
+    engine.abort(late)
+    while engine.has_unfinished():
+        engine.step()
+    aborted = engine.output(late)
+    assert aborted.output_token_ids == [] and aborted.metrics.first_token_time is None
+    assert request_stats(aborted).ttft is None
+    assert engine.output(first).metrics.first_token_time is not None
 
 
 def test_abort_between_steps_leaves_no_placeholder() -> None:

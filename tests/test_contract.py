@@ -64,12 +64,29 @@ def test_a_config_cannot_change_under_an_engine():
         config.max_batch_tokens = 0
     with pytest.raises(ValueError, match="max_batch_tokens"):
         dataclasses.replace(config, max_batch_tokens=0)  # a changed copy is checked again
+    with pytest.raises(ValueError, match=r"max_num_seqs \(32\) must be <= max_batch_tokens \(8\).*set both"):
+        dataclasses.replace(config, max_batch_tokens=8)  # max_num_seqs was derived from the old budget
+    assert dataclasses.replace(config, max_batch_tokens=8, max_num_seqs=None).max_num_seqs == 8
 
 
 def test_a_cache_too_big_to_allocate_is_refused_and_the_model_is_left_as_it_was(tiny_model):
     model = tiny_model("llama").to(torch.bfloat16)
     with pytest.raises(ValueError, match=r"100,000,000,000 blocks .* set a smaller num_blocks"):
         Engine(model, EngineConfig(dtype="float32", num_blocks=10**11))
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("config", "parts", "error"),
+    [
+        ({"dtype": "float32", "attention_backend": "triton"}, {"slot_mapping_fn": lambda *a: []}, ValueError),
+        ({"dtype": "float32"}, {"attention_fn": "sdpa"}, TypeError),
+    ],
+)
+def test_a_refused_engine_leaves_the_model_as_it_was(tiny_model, config, parts, error):
+    model = tiny_model("llama").to(torch.bfloat16)
+    with pytest.raises(error):
+        Engine(model, EngineConfig(num_blocks=8, **config), **parts)
     assert next(model.parameters()).dtype == torch.bfloat16
 
 

@@ -199,6 +199,21 @@ def test_step_stats_and_run_step_metrics_by_hand():
     assert m.wasted_slots == 4
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_kv_usage_counts_the_blocks_of_requests_that_finish_in_the_step(async_scheduling):
+    # Two 16-token prompts fill all 8 blocks of 4 slots; each request ends with the token its prefill samples,
+    # so its blocks are given back at once. While that step ran, the cache was full.
+    config = EngineConfig(block_size=4, num_blocks=8, max_batch_tokens=32, async_scheduling=async_scheduling)
+    engine = Engine(SimulatedModel(), config)
+    reports = []
+    engine.step_listeners.append(reports.append)
+    outputs = engine.generate([list(range(3, 19)), list(range(20, 36))], SamplingParams(max_new_tokens=1))
+    step = next(r for r in reports if r.scheduled)
+    assert (step.num_free_blocks_in_step, step.num_free_blocks, step.kv_usage) == (0, 8, 1.0)
+    assert run_metrics(outputs, reports).peak_kv_usage == 1.0
+    assert StepReport.from_dict(json.loads(json.dumps(step.to_dict()))).kv_usage == 1.0
+
+
 def test_to_dict_is_json():
     m = run_metrics([A, B, C], [make_report(1, free=6)], targets="ttft<=1s")
     data = json.loads(json.dumps(m.to_dict()))

@@ -224,10 +224,12 @@ def test_widgets_given_several_runs_say_which_run_is_broken(tmp_path, widget):
         (float("nan"), ValueError, "arrival_time must be a finite number, got nan"),
         (float("inf"), ValueError, "arrival_time must be a finite number, got inf"),
         (True, TypeError, "arrival_time must be a number"),
+        (1.8e9, ValueError, r"arrival_time \(1800000000.0\) is later than the engine's clock \(0.25\)"),  # time.time()
     ],
 )
-def test_arrival_time_must_be_a_finite_number(arrival_time, error, message):
+def test_arrival_time_must_be_a_finite_number_no_later_than_now(arrival_time, error, message):
     engine = sim_engine()
+    engine.runner.wait_until(0.25)  # the simulated clock, as after some steps
     if error is None:
         engine.add_request([5, 6], arrival_time=np.float32(0.25))
         assert type(engine.requests[0].metrics.arrival_time) is float

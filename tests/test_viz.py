@@ -6,6 +6,7 @@ counters and metrics), never from the widget code, so a wrong replay fails here.
 
 from __future__ import annotations
 
+import gc
 import html
 import json
 import math
@@ -13,6 +14,7 @@ import random
 import re
 import sys
 import types
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -436,6 +438,21 @@ def test_a_recorder_keeps_to_one_run() -> None:
         recorder.attach(second)
     recorder.attach(first)  # the same run, followed again
     assert recorder.live
+
+
+def test_a_recorder_keeps_no_engine_alive() -> None:
+    engine = make_engine()
+    recorder = record(engine)
+    run(engine)
+    freed = weakref.ref(engine)
+    gc.disable()  # freed by reference counting alone: no cycle through the recorder waits for the collector
+    try:
+        del engine
+        assert freed() is None
+    finally:
+        gc.enable()
+    assert not recorder.live and recorder.reports
+    recorder.detach()  # nothing left to detach from
 
 
 def test_widget_arguments_are_named() -> None:

@@ -126,6 +126,7 @@ class BlockAllocator:
             return []
         cached = prefix.blocks if prefix is not None else ()
         needed = self.blocks_needed(request_id, num_tokens) - len(cached)
+        # The free queue alone is checked first: when it has enough, the reusable cached blocks need no count.
         if needed > len(self.free_blocks) and needed > self._available(cached):
             raise NoFreeBlocksError(f"request {request_id!r} needs {needed} blocks, only {self.num_free_blocks} free")
         if table is None:

@@ -71,7 +71,8 @@ class EngineConfig:
         if self.max_num_seqs > self.max_batch_tokens:
             raise ValueError(
                 f"max_num_seqs ({self.max_num_seqs}) must be <= max_batch_tokens ({self.max_batch_tokens}):"
-                " every running request needs at least one token of the step's budget"
+                " every running request needs at least one token of the step's budget (dataclasses.replace"
+                " keeps the max_num_seqs a config had, even one derived from its old budget: set both)"
             )
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")

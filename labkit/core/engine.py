@@ -191,7 +191,7 @@ class Engine:
                 f" the model's maximum length ({self.runner.max_model_len})"
             )
         self.scheduler.check_fits(len(token_ids), params.max_new_tokens)
-        now = self.clock() if arrival_time is None else _arrival_time(arrival_time)
+        now = self.clock() if arrival_time is None else _arrival_time(arrival_time, self.clock())
         request_id = next(self._ids)
         request = Request(
             request_id,
@@ -205,7 +205,10 @@ class Engine:
         return request_id
 
     def abort(self, request_id: int) -> None:
-        """Stop a request now and free its blocks; the next StepReport lists it as finished ("abort").
+        """Stop a request now; the next StepReport lists it as finished ("abort").
+
+        Its blocks are freed at once, except in a static batch, which keeps every member's blocks (and row)
+        until the batch ends.
 
         KeyError if no unfinished request has that id.
         """
@@ -264,6 +267,7 @@ class Engine:
         output = None
         try:
             output = scheduler.schedule()
+            free_in_step = self.allocator.num_free_blocks  # the step's blocks taken, none given back yet
             start = self.clock()
             sampled = [] if output.is_empty else self.runner.execute(output, self.allocator)
             end = self.clock()
@@ -274,7 +278,7 @@ class Engine:
         self._note_first_scheduled(output, start)
         finished[:0] = self._aborted
         self._aborted = []
-        return self._publish(self._report(output, sampled, finished, start, end))
+        return self._publish(self._report(output, sampled, finished, start, end, self._report_state(free_in_step)))
 
     def _step_ahead(self) -> StepReport:
         """Async scheduling: keep two steps launched, then finish the older one."""
@@ -292,6 +296,7 @@ class Engine:
         output = None
         try:
             output = scheduler.schedule()
+            free_in_step = self.allocator.num_free_blocks  # the step's blocks taken, none given back yet
             if output.is_empty and not keep_empty:
                 scheduler.rollback(output)
                 return False
@@ -304,7 +309,7 @@ class Engine:
             scheduler.rollback(output)
             raise
         self._note_first_scheduled(output, start)
-        self._ahead.append(_LaunchedStep(output, handle, finished, start, self._report_state()))
+        self._ahead.append(_LaunchedStep(output, handle, finished, start, self._report_state(free_in_step)))
         return True
 
     def _finish_oldest(self) -> StepReport:
@@ -448,9 +453,10 @@ class Engine:
         finished: list[Request],
         start: float,
         end: float,
-        state: dict[str, Any] | None = None,
+        state: dict[str, Any],
     ) -> StepReport:
-        """The step's report; ``state`` is what ``_report_state`` said at its commit (async scheduling; None: now).
+        """The step's report; ``state`` is what ``_report_state`` said at its commit (async scheduling: updated
+        when the tokens were read).
 
         A sampled token of None (async scheduling: its request had stopped or was aborted) makes its row
         padding: computed and thrown away.
@@ -465,7 +471,7 @@ class Engine:
         padding = [
             ScheduledWork(c.request.request_id, c.start, c.num_tokens, c.is_prefill, None) for c in output.padding
         ]
-        if state is not None and None in sampled:  # only async scheduling drops tokens (Scheduler.resolve)
+        if None in sampled:  # only async scheduling drops tokens (Scheduler.resolve)
             dropped = [c.samples and w.token is None for c, w in zip(output.chunks, scheduled, strict=True)]
             padding += [work for work, drop in zip(scheduled, dropped, strict=True) if drop]
             scheduled = [work for work, drop in zip(scheduled, dropped, strict=True) if not drop]
@@ -478,16 +484,17 @@ class Engine:
             admitted=[r.request_id for r in output.admitted],
             preempted=[r.request_id for r in output.preempted],
             finished={r.request_id: r.finish_reason for r in finished},
-            **(self._report_state() if state is None else state),
+            **state,
         )
 
-    def _report_state(self) -> dict[str, Any]:
+    def _report_state(self, free_in_step: int) -> dict[str, Any]:
         """The report's block and queue fields, from the allocator and scheduler as they are now."""
         allocator = self.allocator
         return {
             "block_events": allocator.drain_events(),
             "prefix_cache": allocator.drain_prefix_stats() if self.config.enable_prefix_caching else None,
             "num_free_blocks": allocator.num_free_blocks,
+            "num_free_blocks_in_step": free_in_step,
             "num_blocks": allocator.num_blocks,
             "block_size": allocator.block_size,
             "num_running": len(self.scheduler.running),
@@ -506,12 +513,18 @@ class _LaunchedStep:
     state: dict[str, Any]  # the report's block and queue fields as its commit left them
 
 
-def _arrival_time(value: object) -> float:
-    """A finite real number (numpy's included) as a float: metrics subtract it from the step times."""
+def _arrival_time(value: object, now: float) -> float:
+    """A finite real number (numpy's included) no later than ``now``, as a float: metrics subtract it from the
+    step times, so a time on another clock (``time.time()``) or still to come would make latencies negative."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"arrival_time must be a number (seconds on the engine's clock), got {type(value).__name__}")
     if not math.isfinite(value):
         raise ValueError(f"arrival_time must be a finite number, got {value}")
+    if value > now:
+        raise ValueError(
+            f"arrival_time ({value}) is later than the engine's clock ({now}): a request arrives when it is added,"
+            " or before; times are seconds on engine.clock()"
+        )
     return float(value)
 
 

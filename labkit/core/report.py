@@ -46,13 +46,14 @@ class StepReport:
     preempted: list[int] = field(default_factory=list)
     finished: dict[int, str] = field(default_factory=dict)  # request id -> finish reason
     block_events: list[BlockEvent] = field(default_factory=list)
-    num_free_blocks: int = 0
+    num_free_blocks: int = 0  # after the step: the requests that finished in it have given theirs back
     num_blocks: int = 0
     block_size: int = 0
     num_running: int = 0
     num_waiting: int = 0
     prefix_cache: PrefixCacheStats | None = None  # this step's prefix-cache lookups (None: caching off)
     gpu_util: float | None = None  # GPU utilisation (%) that a listener sampled from NVML after the step, if any
+    num_free_blocks_in_step: int | None = None  # while the step ran: its blocks taken, none given back yet
 
     @property
     def end_time(self) -> float:
@@ -77,8 +78,10 @@ class StepReport:
 
     @property
     def kv_usage(self) -> float:
-        """Fraction of KV-cache blocks in use after the step."""
-        return 1 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+        """Fraction of KV-cache blocks in use while the step ran, as vLLM reports it: once the step's blocks were
+        taken, before the requests it finished gave theirs back (a report made without that count: after it)."""
+        free = self.num_free_blocks if self.num_free_blocks_in_step is None else self.num_free_blocks_in_step
+        return 1 - free / self.num_blocks if self.num_blocks else 0.0
 
     @property
     def generated(self) -> dict[int, int]:
@@ -161,6 +164,8 @@ class StepReport:
             data["prefix_cache"] = _prefix_cache_stats(data["prefix_cache"])
         if data.get("gpu_util") is not None:
             _check("gpu_util", data["gpu_util"], (int, float), "a number or null")
+        if data.get("num_free_blocks_in_step") is not None:
+            _check("num_free_blocks_in_step", data["num_free_blocks_in_step"], int, "an integer or null")
         report = cls(**data)
         report._check_values()
         return report
@@ -169,6 +174,9 @@ class StepReport:
         """What a widget relies on, beyond the types of the top-level fields (see :meth:`from_dict`)."""
         if self.num_blocks < 0 or not 0 <= self.num_free_blocks <= self.num_blocks:
             raise ValueError(f"num_free_blocks ({self.num_free_blocks}) must be in [0, num_blocks = {self.num_blocks}]")
+        in_step = self.num_free_blocks_in_step
+        if in_step is not None and not 0 <= in_step <= self.num_blocks:
+            raise ValueError(f"num_free_blocks_in_step ({in_step}) must be in [0, num_blocks = {self.num_blocks}]")
         if self.num_blocks and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         for work in self.scheduled + self.padding:

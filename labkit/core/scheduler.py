@@ -14,7 +14,8 @@ Two policies:
   caching, an admitted request starts from the cached blocks of its prompt's longest cached prefix
   and computes only the rest; the blocks a step's tokens fill are indexed when it commits.
 * ``"static"`` - the classic padded batch: a new batch starts only when the previous one has fully
-  finished; each member reserves blocks for prompt + ``max_new_tokens`` up front; finished members
+  finished; each member reserves blocks for prompt + ``max_new_tokens`` - 1 tokens up front (the last
+  token is never fed back, so never cached); finished members
   keep their row (computed and thrown away) until the longest member is done. Those rows, and the
   padding of shorter prompts, are counted as wasted slots. A padded batch is a rectangle: its ``n``
   rows are as long as the longest prompt ``L``, so its prefill computes ``n * L`` rows, of which
@@ -156,6 +157,8 @@ class Scheduler:
         while request.output_token_ids and request.output_token_ids[-1] == PENDING_TOKEN:  # async: never read
             request.output_token_ids.pop()
             request.metrics.token_times.pop()
+        if not request.output_token_ids:  # no token was ever read: no time to first token
+            request.metrics.first_token_time = None
         self._finish_now(request, "abort", now)
         if self.config.policy == "static":
             self._end_static_batch_if_done()
@@ -328,8 +331,8 @@ class Scheduler:
         end_of_running = len(running)  # victims leave from the end: running[end_of_running:]
         # A failed step's victims (still the end of the list, unless aborted since) must not run.
         num_evict_first = sum(1 for r in self.evict_first if r.state is not RequestState.FINISHED)
-        end_of_runnable = len(running) - num_evict_first
-        for_room = False  # a request was preempted for another's blocks (not displaced by a better one)
+        end_of_runnable = len(running) - num_evict_first  # running[:end_of_runnable] may run this step
+        preempted_for_blocks = False  # a request was preempted for another's blocks (not displaced by a better one)
         i = 0
         while i < end_of_runnable and budget > 0:
             request = running[i]
@@ -361,7 +364,7 @@ class Scheduler:
             while needed and needed > allocator.num_free_blocks and end_of_running > i:
                 end_of_running -= 1
                 self.preempt(output, running[end_of_running])  # the most recently admitted, or lowest-ranked
-                for_room = True
+                preempted_for_blocks = True
             if end_of_running == i:  # preempted itself: nothing younger was left
                 break
             end_of_runnable = min(end_of_runnable, end_of_running)
@@ -372,12 +375,12 @@ class Scheduler:
         while end_of_running > end_of_runnable:  # the failed step's victims that nothing has evicted yet
             end_of_running -= 1
             self.preempt(output, running[end_of_running])
-            for_room = True
+            preempted_for_blocks = True
 
         # Admit new work only when no running request had to be preempted for blocks: otherwise we would
         # evict and admit at once. (Displacing lower-ranked requests for a better one, above, is the point;
         # but the room a victim left goes to no one it outranks: it waits ahead of them.)
-        if not for_room:
+        if not preempted_for_blocks:
             victims = output.preempted
             while (
                 head is not None
@@ -481,7 +484,7 @@ class Scheduler:
 
         Members join while seats and cache allow and the prompts, padded to the longest, still prefill in
         one step; a first prompt longer than the budget makes a batch of one. Each member reserves blocks
-        for prompt + ``max_new_tokens`` up front.
+        for prompt + ``max_new_tokens`` - 1 tokens up front (its last token is never fed back).
         """
         cfg, allocator, longest = self.config, self.allocator, 0
         for request in self.waiting:

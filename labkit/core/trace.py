@@ -43,15 +43,17 @@ class Recorder:
         self.requests: dict[int, RequestInfo] = _request_infos(meta.pop("requests", {}))
         self.meta: dict[str, Any] = meta
         self.subscribers: list[Callable[[StepReport], None]] = []
-        self.engine: Any = None
-        self._recorded: weakref.ref[Any] | None = None  # the engine whose run the reports are
+        # The engine whose run the reports are, held weakly: a recorder kept in a notebook keeps no engine (and
+        # its KV cache) alive, and an engine and its recorder form no cycle for the garbage collector to find.
+        self._recorded: weakref.ref[Any] | None = None
+        self._attached = False
 
     # ------------------------------------------------------------------ live recording
     def attach(self, engine: Any) -> Recorder:
         """Start recording ``engine``'s steps; its configuration and device go into the metadata."""
         if not hasattr(engine, "step_listeners"):
             raise TypeError(f"expected an Engine (with step_listeners), got {type(engine).__name__}")
-        if self.engine is not None:
+        if self.live:
             raise ValueError("this recorder is already attached to an engine")
         if self.reports and (self._recorded is None or self._recorded() is not engine):
             raise ValueError("this recorder holds another run already; record this engine with a new Recorder")
@@ -67,28 +69,33 @@ class Recorder:
             free_blocks_at_start=engine.num_free_blocks,
             cached_blocks_at_start=getattr(engine, "num_cached_blocks", 0),
         )
-        self.engine = engine
-        self._recorded = weakref.ref(engine)
-        self._note_requests()
+        self._recorded, self._attached = weakref.ref(engine), True
+        self._note_requests(engine)
         engine.step_listeners.append(self)
         return self
 
     def detach(self) -> None:
         """Stop recording; the reports stay."""
-        if self.engine is not None:
-            self.engine.step_listeners.remove(self)
-            self.engine = None
+        engine = self._engine()
+        if engine is not None:
+            engine.step_listeners.remove(self)
+        self._attached = False
 
     def __call__(self, report: StepReport) -> None:
         """The step listener: keep the report, note new requests, tell the subscribers."""
-        if self.engine is not None:
-            self._note_requests()
+        engine = self._engine()
+        if engine is not None:
+            self._note_requests(engine)
         self.reports.append(report)
         for subscriber in self.subscribers:
             subscriber(report)
 
-    def _note_requests(self) -> None:
-        for request_id, request in self.engine.requests.items():
+    def _engine(self) -> Any:
+        """The engine attached now, or None."""
+        return self._recorded() if self._attached and self._recorded is not None else None
+
+    def _note_requests(self, engine: Any) -> None:
+        for request_id, request in engine.requests.items():
             if request_id not in self.requests:
                 self.requests[request_id] = RequestInfo(
                     request.num_prompt_tokens, request.params.max_new_tokens, request.metrics.arrival_time
@@ -97,7 +104,7 @@ class Recorder:
     # ------------------------------------------------------------------ what widgets read
     @property
     def live(self) -> bool:
-        return self.engine is not None
+        return self._engine() is not None
 
     @property
     def device(self) -> str:

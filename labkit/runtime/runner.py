@@ -98,7 +98,18 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype)
+        # Every check comes before the model is converted: a refused engine leaves the model as it was.
         _check_conversion(model, self.device, dtype)
+        for name, part in (("slot_mapping_fn", slot_mapping_fn), ("attention_fn", attention_fn), ("sampler", sampler)):
+            if part is not None and not callable(part):
+                raise TypeError(f"{name} must be callable, got {type(part).__name__}")
+        backend = config.attention_backend
+        if slot_mapping_fn is not None or attention_fn is not None:  # they plug into the torch attention
+            if backend == "triton":
+                raise ValueError("slot_mapping_fn and attention_fn need attention_backend='torch' (or 'auto')")
+            backend = "torch"
+        self.attention_backend = resolve_attention_backend(backend, self.device)
+        self.use_cuda_graph = resolve_use_cuda_graph(config.use_cuda_graph, self.attention_backend, self.device)
         first = next(model.parameters())
         self._model_was = (first.device, first.dtype)  # put back if the cache cannot be allocated
         self.model = model.to(device=self.device, dtype=dtype).eval()
@@ -110,22 +121,12 @@ class ModelRunner:
         self.eos_token_ids = _eos_token_ids(model)
         self.pad_token_id = text.pad_token_id if text.pad_token_id is not None else 0
         self.device_name = device_name(self.device)
-        for name, part in (("slot_mapping_fn", slot_mapping_fn), ("attention_fn", attention_fn), ("sampler", sampler)):
-            if part is not None and not callable(part):
-                raise TypeError(f"{name} must be callable, got {type(part).__name__}")
         self.slot_mapping_fn = slot_mapping if slot_mapping_fn is None else slot_mapping_fn
         self.attention_fn = attention_fn
         self.sampler = Sampler() if sampler is None else sampler
         self.cache: PagedKVCache | None = None
         self.packed_linears = PackedLinears.of(self.model) if config.pack_weights else None
-        backend = config.attention_backend
-        if slot_mapping_fn is not None or attention_fn is not None:  # they plug into the torch attention
-            if backend == "triton":
-                raise ValueError("slot_mapping_fn and attention_fn need attention_backend='torch' (or 'auto')")
-            backend = "torch"
-        self.attention_backend = resolve_attention_backend(backend, self.device)
         self.attention_name = ATTENTION_NAME
-        self.use_cuda_graph = resolve_use_cuda_graph(config.use_cuda_graph, self.attention_backend, self.device)
         self.graphs: Any = None  # DecodeGraphs, captured in init_cache
         if self.attention_backend == "triton":
             from labkit.runtime.triton_attention import TRITON_ATTENTION_NAME, StepUploader

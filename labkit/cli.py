@@ -169,6 +169,8 @@ def demo_main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--steps must be >= 0, got {args.steps}")
     if args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.model == "sim" and args.device != "auto":
+        parser.error("--device chooses where a real model runs; the simulated model has none")
     console = Console()
     if args.model == "sim":
         setup = simulated_setup(args.num_requests, args.seed)

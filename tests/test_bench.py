@@ -7,6 +7,7 @@ import json
 import statistics
 import subprocess
 import sys
+from contextlib import ExitStack
 from dataclasses import replace
 
 import pytest
@@ -125,17 +126,31 @@ def test_main_prints_table_and_writes_json(tmp_path, capsys):
         assert run["metrics"]["targets"] == {"ttft": 1.0}
 
 
+def test_a_bench_run_in_a_notebook_leaves_its_threads_and_logging_as_they_were(capsys):
+    import torch
+    from transformers.utils import logging as transformers_logging
+
+    threads, verbosity = torch.get_num_threads(), transformers_logging.get_verbosity()
+    wanted = 2 if threads != 2 else 3
+    argv = ["--model", "random:tiny", "--num-requests", "2", "--threads", str(wanted), "--no-progress", "--workload"]
+    argv += ["uniform", "--prompt-len", "4,8", "--output-len", "2,4"]
+    assert main([*argv, "--modes", "labkit-continuous"]) == 0
+    assert f"torch threads: {wanted}," in capsys.readouterr().out  # the run used what it was told
+    assert torch.get_num_threads() == threads and transformers_logging.get_verbosity() == verbosity
+    assert transformers_logging.is_progress_bar_enabled()
+
+
 def test_max_num_seqs_follows_the_token_budget(capsys):
     """Left unset, --max-num-seqs is EngineConfig's default, min(64, --max-batch-tokens): a small budget is accepted."""
     from labkit.serving.bench.cli import build_parser, prepare
 
     args = build_parser().parse_args(["--num-requests", "4", "--max-batch-tokens", "16"])
-    setup = prepare(args, Console(file=io.StringIO()))[0]
+    setup = prepare(args, Console(file=io.StringIO()), ExitStack())[0]
     assert (setup.config.max_batch_tokens, setup.config.max_num_seqs) == (16, 16)
     assert main(["--num-requests", "4", "--max-batch-tokens", "16", "--modes", "labkit-continuous"]) == 0
     assert "labkit-continuous" in capsys.readouterr().out
     args = build_parser().parse_args(["--num-requests", "4"])
-    assert prepare(args, Console(file=io.StringIO()))[0].config.max_num_seqs == 64
+    assert prepare(args, Console(file=io.StringIO()), ExitStack())[0].config.max_num_seqs == 64
     assert main(["--max-batch-tokens", "16", "--max-num-seqs", "32"]) == 2
     assert "max_num_seqs (32) must be <= max_batch_tokens (16)" in capsys.readouterr().err
 
@@ -153,6 +168,7 @@ def test_max_num_seqs_follows_the_token_budget(capsys):
         (["--static-batch-size", "0"], "--static-batch-size must be >= 1"),
         (["--static-batch-size", "600"], "--static-batch-size (600) must be <= --max-batch-tokens"),
         (["--model", "sim:tpu"], "unknown cost preset 'tpu'"),
+        (["--burstiness", "4"], "--burstiness shapes the gaps between arrivals: give --rate too"),
     ],
 )
 def test_main_bad_options(argv, message, capsys):

@@ -39,12 +39,20 @@ def test_demo_on_the_bundled_model_gives_identical_tokens_under_both_policies(ca
     assert re.search(r"ROMEO: \(\d+ tokens, (stop|length)\)", out)
 
 
-@pytest.mark.parametrize("argv", [["demo", "--requests", "0"], ["demo", "--model", "no-such-model"]])
-def test_demo_rejects_bad_options_without_a_traceback(argv, capsys):
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["demo", "--requests", "0"], "must be >= 1"),
+        (["demo", "--model", "no-such-model"], "no-such-model"),
+        (["demo", "--model", "sim", "--device", "cuda"], "the simulated model has none"),
+    ],
+)
+def test_demo_rejects_bad_options_without_a_traceback(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
-    assert "error:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "error:" in err and message in err and "Traceback" not in err
 
 
 def test_unknown_command_prints_usage(capsys):

@@ -91,6 +91,29 @@ def test_a_refused_engine_leaves_the_model_as_it_was(tiny_model, config, parts, 
 
 
 @pytest.mark.parametrize(
+    ("arch", "settings", "slides"),
+    [
+        ("mistral", {"sliding_window": 8}, True),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}, True),
+        ("qwen2", {}, False),
+        ("llama", {}, False),
+    ],
+)
+def test_an_attention_fn_for_a_sliding_window_model_is_refused_when_the_engine_is_built(
+    tiny_model, arch, settings, slides
+):
+    def attend(query, keys, values, scale):  # never called: the whole context, where the model wants a window
+        raise AssertionError
+
+    model = tiny_model(arch, **settings)
+    if slides:
+        with pytest.raises(ValueError, match="this model uses a sliding window"):
+            Engine(model, EngineConfig(num_blocks=8), attention_fn=attend)
+    else:
+        assert Engine(model, EngineConfig(num_blocks=8), attention_fn=attend).runner.attention_fn is attend
+
+
+@pytest.mark.parametrize(
     ("fields", "error", "message"),
     [
         ({"arrival_time": float("nan")}, ValueError, "arrival_time must be a finite"),

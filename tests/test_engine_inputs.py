@@ -272,6 +272,23 @@ def test_generate_batch_sampling_and_eos_come_from_the_generation_config(model, 
     assert len({tuple(t) for t in tokens}) > 1  # do_sample draws, greedy would repeat itself
 
 
+def test_generate_batch_sampling_is_reproducible_as_in_transformers(model):
+    inputs = [[5, 6, 7, 8]] * 3
+    sampled = GenerationConfig(max_new_tokens=6, do_sample=True, temperature=1.5, top_k=0, top_p=1.0, eos_token_id=-1)
+
+    def tokens(**kwargs):
+        return [r.generated_tokens for r in generate_batch(model, inputs, sampled, **kwargs).values()]
+
+    torch.manual_seed(0)
+    first = tokens()
+    torch.manual_seed(0)
+    assert tokens() == first and len({tuple(t) for t in first}) > 1  # the same run again; each request its own draws
+    seeded = ContinuousBatchingConfig(seed=3)
+    assert tokens(continuous_batching_config=seeded) == tokens(continuous_batching_config=seeded)
+    alone = generate_batch(model, inputs[:1], sampled, continuous_batching_config=seeded)["req_0"].generated_tokens
+    assert alone == tokens(continuous_batching_config=seeded)[0]  # request 0 draws the same alone or in the batch
+
+
 def test_baselines_generate_what_the_engine_generates(model, greedy_reference):
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12] * 9]
     wanted = [3, 6, 4]
@@ -283,6 +300,22 @@ def test_baselines_generate_what_the_engine_generates(model, greedy_reference):
     assert model.config._attn_implementation == "sdpa"
     with pytest.raises(ValueError, match="max_new_tokens"):
         padded_generate(model, prompts, wanted[:2])
+
+
+@pytest.mark.parametrize("pad_token_id", [-1, 5000])
+def test_a_pad_token_id_outside_the_vocabulary_pads_with_a_valid_one(model, greedy_reference, pad_token_id):
+    """Some configs carry pad_token_id = -1; a static batch's padding rows must still embed."""
+    original, model.config.pad_token_id = model.config.pad_token_id, pad_token_id
+    try:
+        engine = Engine(model, EngineConfig(block_size=4, num_blocks=32, policy="static"))
+        params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (2, 6)]
+        outputs = engine.generate([[5, 6, 7], [8, 9]], params)
+    finally:
+        model.config.pad_token_id = original
+    assert [o.output_token_ids for o in outputs] == [
+        greedy_reference(model, [5, 6, 7], 2),
+        greedy_reference(model, [8, 9], 6),
+    ]
 
 
 def test_static_dead_rows_on_a_block_boundary(model, greedy_reference):

@@ -20,7 +20,7 @@ import labkit
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel, generate_batch, load_trace
 from labkit.cli import main
 from labkit.runtime.hf import _sampling_params
-from labkit.runtime.runner import CPU_CACHE_BYTES, cpu_cache_blocks, kv_bytes_per_block
+from labkit.runtime.runner import CPU_CACHE_BYTES, blocks_beside_gather, cpu_cache_blocks, kv_bytes_per_block
 from labkit.viz import BlockMap, LiveThroughput, Recorder, Timeline, record
 
 torch.set_num_threads(1)
@@ -314,6 +314,26 @@ def test_demo_and_bench_give_one_message_for_a_bad_request_count(capsys, count):
         err = capsys.readouterr().err.strip().splitlines()[-1]
         messages.append(err.split("error: ", 1)[1])
     assert messages == [f"num_requests must be >= 1, got {count}"] * 2
+
+
+# ---------------------------------------------------------------------------------------------- the GPU budget
+@pytest.mark.parametrize(
+    ("budget_blocks", "max_num_seqs", "layers", "per_request"),
+    [(1000, 4, 32, 100), (3225, 64, 32, 8192), (100, 64, 2, 8192), (10, 1, 1, 4), (1, 64, 32, 8192)],
+)
+def test_a_gpu_cache_beside_the_torch_attentions_copy_takes_what_the_copy_leaves(
+    budget_blocks, max_num_seqs, layers, per_request
+):
+    """Llama-3.1-8B's 128k context (8192 blocks of 16) once left one block of cache in 7.5 GiB: the copy of every
+    request's whole possible context was set aside although no context can outgrow the cache itself."""
+    per_block = 1000
+    blocks = blocks_beside_gather(budget_blocks * per_block, per_block, max_num_seqs, layers, per_request)
+
+    def memory(n):  # the cache and the largest copy it can need: every request's context padded to the longest
+        return n * per_block + max_num_seqs * min(per_request, n) * per_block / layers
+
+    assert blocks >= 1 and (memory(blocks) <= budget_blocks * per_block or blocks == 1)
+    assert memory(blocks + 1) > budget_blocks * per_block  # the largest cache that fits
 
 
 # ---------------------------------------------------------------------------------------------- the CPU budget

@@ -83,10 +83,28 @@ def test_changed_weights_are_packed_again_before_the_next_step():
         model.lm_head.weight.mul_(-1.0)  # written in place
         attention.q_proj.bias.add_(torch.randn(attention.q_proj.bias.shape, generator=generator))
     attention.o_proj.weight = torch.nn.Parameter(torch.randn(attention.o_proj.weight.shape, generator=generator))
-    assert sum(layer.stale() for layer in layers) == 3
+    mlp = model.model.layers[1].mlp
+    mlp.down_proj.weight.data = torch.randn(mlp.down_proj.weight.shape, generator=generator)  # same Parameter, new data
+    assert sum(layer.stale() for layer in layers) == 4
     after = engine_tokens()
     assert after != before and after == generate_tokens()
     assert not any(layer.stale() for layer in layers)
+
+
+def test_a_layer_with_a_forward_of_its_own_keeps_it():
+    """A hook installed on the instance (as accelerate does) runs in engine steps and stays on the model."""
+    model = small_model()
+    layer = model.model.layers[0].mlp.down_proj
+    calls = []
+
+    def hooked(x, forward=layer.forward):
+        calls.append(x.shape[0])
+        return forward(x)
+
+    layer.forward = hooked
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=16, device="cpu"))
+    engine.generate([[3, 4, 5]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert len(calls) == 3 and layer.__dict__["forward"] is hooked  # one call per step, still installed
 
 
 def test_packing_is_for_cpu_models_in_float32_or_bfloat16():

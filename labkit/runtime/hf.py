@@ -9,7 +9,7 @@ with ``.prompt_ids`` and ``.generated_tokens``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from labkit.core.config import EngineConfig
@@ -112,6 +112,8 @@ def generate_batch(
     Reads ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p`` and ``eos_token_id`` from
     ``generation_config`` (a transformers GenerationConfig; default: the model's), plus the batching knobs
     ``num_blocks``, ``block_size`` and ``max_batch_tokens`` when set on it or on ``continuous_batching_config``.
+    Sampling is reproducible as in transformers: ``continuous_batching_config.seed``, or else
+    ``torch.manual_seed``, fixes the tokens.
     As in transformers, ``do_sample`` unset or False is greedy whatever the temperature. A setting labkit does
     not implement (``num_beams``, ``repetition_penalty``, ``min_new_tokens``, ...: UNSUPPORTED_SETTINGS) is
     refused with a ValueError unless it is left at the value that switches it off. ``engine_options`` are
@@ -139,6 +141,13 @@ def generate_batch(
         raise TypeError(f"unknown engine options {unknown}; EngineConfig fields are {sorted(known)}")
 
     params = _sampling_params(generation_config, max_new_tokens)
+    if not params.greedy:  # request i draws with seed + i: reproducible, and the same alone or in any batch
+        seed = getattr(continuous_batching_config, "seed", None)
+        if seed is None:  # as in transformers, torch.manual_seed decides
+            import torch  # here: importing labkit imports no torch
+
+            seed = int(torch.randint(0, 2**62, ()))
+        params = [replace(params, seed=seed + i) for i in range(len(inputs))]
     engine = Engine(model, EngineConfig(**options))
     outputs = engine.generate(list(inputs), params, progress=progress_bar)
     return {

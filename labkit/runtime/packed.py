@@ -79,17 +79,22 @@ class PackedLinears:
 
         A layer whose weight or bias changed since it was packed (trained, loaded, replaced) is packed
         again first. The packed layer goes into each module's instance ``__dict__``, where it shadows the
-        class's ``forward``: a dictionary write per layer, cheap enough to do every step.
+        class's ``forward``: a dictionary write per layer, cheap enough to do every step. A layer that
+        already has a ``forward`` of its own there (a hook, as accelerate installs) keeps it, unpacked.
         """
+        switched = []
         for layer in self.layers:
+            if "forward" in layer.module.__dict__:
+                continue
             if layer.stale():
                 layer.pack()
             layer.module.__dict__["forward"] = layer
+            switched.append(layer.module)
         try:
             yield
         finally:
-            for layer in self.layers:
-                layer.module.__dict__.pop("forward", None)
+            for module in switched:
+                module.__dict__.pop("forward", None)
 
 
 class PackedLayer:
@@ -108,10 +113,9 @@ class PackedLayer:
         self.bias = None if self.module.bias is None else self.module.bias.detach()
 
     def stale(self) -> bool:
-        """Whether the layer's weight or bias was replaced or written in place since it was packed."""
-        weight, weight_version, bias, bias_version = self.source
-        now = _source(self.module)
-        return now[0] is not weight or now[1] != weight_version or now[2] is not bias or now[3] != bias_version
+        """Whether the layer's weight or bias was replaced, given new data or written in place since it was packed."""
+        weight, bias, marks = _source(self.module)
+        return weight is not self.source[0] or bias is not self.source[1] or marks != self.source[2]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() > self.max_elements:
@@ -119,11 +123,13 @@ class PackedLayer:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
 
 
-def _source(module: torch.nn.Linear) -> tuple[torch.Tensor, int, torch.Tensor | None, int | None]:
-    """A layer's weight and bias with their version counters, which every in-place write bumps.
+def _source(module: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
+    """A layer's weight and bias, each with its version counter, which every in-place write bumps, and the
+    address of its data, which ``param.data = ...`` (and so ``model.to(dtype)``) changes without a bump.
 
     Read from ``_parameters``: ``module.weight`` goes through ``nn.Module.__getattr__``, a microsecond
     per lookup, and this runs for every layer on every step.
     """
     weight, bias = module._parameters["weight"], module._parameters["bias"]
-    return weight, weight._version, bias, None if bias is None else bias._version
+    marks = (weight._version, weight.data_ptr()) + (() if bias is None else (bias._version, bias.data_ptr()))
+    return weight, bias, marks

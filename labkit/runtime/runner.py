@@ -103,6 +103,8 @@ class ModelRunner:
         for name, part in (("slot_mapping_fn", slot_mapping_fn), ("attention_fn", attention_fn), ("sampler", sampler)):
             if part is not None and not callable(part):
                 raise TypeError(f"{name} must be callable, got {type(part).__name__}")
+        if attention_fn is not None and uses_sliding_window(model):
+            raise ValueError("an attention_fn attends to the whole context; this model uses a sliding window")
         backend = config.attention_backend
         if slot_mapping_fn is not None or attention_fn is not None:  # they plug into the torch attention
             if backend == "triton":
@@ -119,7 +121,8 @@ class ModelRunner:
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_model_len = text.max_position_embeddings
         self.eos_token_ids = _eos_token_ids(model)
-        self.pad_token_id = text.pad_token_id if text.pad_token_id is not None else 0
+        pad = text.pad_token_id  # fills the rows thrown away; some configs hold an id outside the vocabulary (-1)
+        self.pad_token_id = pad if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
         self.device_name = device_name(self.device)
         self.slot_mapping_fn = slot_mapping if slot_mapping_fn is None else slot_mapping_fn
         self.attention_fn = attention_fn
@@ -324,13 +327,13 @@ class ModelRunner:
         torch.cuda.empty_cache()
         activations = self._warm_up(block_size)
         free, _ = torch.cuda.mem_get_info(self.device)
-        # The torch attention copies one layer's share of the blocks it reads: at most every running request's
-        # longest possible context, padded. Keep room for that copy next to the cache. (Triton reads in place.)
-        workspace = 0
-        if self.attention_backend == "torch":
-            gathered_blocks = self.config.max_num_seqs * -(-self.max_model_len // block_size)
-            workspace = gathered_blocks * per_block // self.num_layers
-        return max(1, int(CUDA_MEMORY_FRACTION * (free - activations) - workspace) // per_block)
+        budget = int(CUDA_MEMORY_FRACTION * (free - activations))
+        if self.attention_backend == "torch":  # Triton reads the blocks in place
+            blocks_per_request = -(-self.max_model_len // block_size)
+            return blocks_beside_gather(
+                budget, per_block, self.config.max_num_seqs, self.num_layers, blocks_per_request
+            )
+        return max(1, budget // per_block)
 
     @torch.inference_mode()
     def _warm_up(self, block_size: int, num_tokens: int | None = None) -> int:
@@ -358,6 +361,32 @@ def kv_layout(model: Any) -> tuple[int, int, int]:
     num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return text.num_hidden_layers, num_kv_heads, head_dim
+
+
+def uses_sliding_window(model: Any) -> bool:
+    """Whether any layer of ``model`` attends to a sliding window of recent keys instead of the whole context."""
+    text = model.config.get_text_config()
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None:  # models that mix full and sliding layers name each layer's kind
+        return "sliding_attention" in layer_types
+    return getattr(text, "sliding_window", None) is not None
+
+
+def blocks_beside_gather(
+    budget: int, per_block: int, max_num_seqs: int, num_layers: int, blocks_per_request: int
+) -> int:
+    """The most KV-cache blocks that fit in ``budget`` bytes beside the torch attention's gathered copy.
+
+    That attention copies one layer's share of the blocks it reads: every running request's context padded
+    to the longest, which is at most the model's length and at most the whole cache. For a model with a
+    long context (128k tokens) the first bound alone would leave no room for any cache; the second one
+    grows with the cache, so the two together give the cache whatever the copy leaves.
+    """
+    copies = max_num_seqs / num_layers  # bytes of gathered copy per block of the longest context, per cached byte
+    full_copy = copies * blocks_per_request * per_block
+    if budget - full_copy >= blocks_per_request * per_block:  # room for requests of the model's whole length
+        return int(budget - full_copy) // per_block
+    return max(1, min(blocks_per_request, int(budget / (per_block * (1 + copies)))))
 
 
 def kv_bytes_per_block(model: Any, block_size: int) -> int:

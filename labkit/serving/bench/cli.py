@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import sys
+from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -168,11 +169,20 @@ WORKLOAD_OPTIONS = ("prompt_len", "output_len", "long_output_len", "prefix_len",
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``labkit bench``; the exit status: 0 all done, 1 some mode failed part-way, 2 refused before running."""
+    """Run ``labkit bench``; the exit status: 0 all done, 1 some mode failed part-way, 2 refused before running.
+
+    What the run sets for the process (torch's threads, transformers' logging) is put back when it ends, so a
+    notebook that calls it keeps its own settings.
+    """
     args = build_parser().parse_args(argv)
+    with ExitStack() as restore:
+        return _run(args, restore)
+
+
+def _run(args: argparse.Namespace, restore: ExitStack) -> int:
     console = Console(width=None if sys.stdout.isatty() else TABLE_WIDTH)
     try:
-        setup, workloads, modes, targets, meta = prepare(args, console)
+        setup, workloads, modes, targets, meta = prepare(args, console, restore)
         results: list[BenchResult] = []
         total = sum(len(workload) for workload in workloads.values()) * len(modes) * args.repeats
         with BenchProgress(total, Console(stderr=True), enabled=not args.no_progress) as progress:
@@ -217,11 +227,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def prepare(
-    args: argparse.Namespace, console: Console
+    args: argparse.Namespace, console: Console, restore: ExitStack
 ) -> tuple[BenchSetup, dict[float | None, list[WorkloadRequest]], list[str], dict[str, float] | None, dict[str, Any]]:
     """Check the options, load the model, make the workloads and check every mode accepts them; print the header.
 
     Returns the setup, the workload of each rate, the modes, the latency targets and the JSON's ``meta``.
+    What it changes in the process is undone when ``restore`` closes.
     """
     config = EngineConfig(
         block_size=args.block_size,
@@ -243,6 +254,10 @@ def prepare(
         raise ValueError(f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)} (or all)")
     if args.model.partition(":")[0] == "sim" and (args.device != "auto" or args.dtype is not None):
         raise ValueError("--device and --dtype choose where a real model runs; the simulated model has neither")
+    if args.burstiness != 1 and all(rate is None for rate in args.rates):
+        raise ValueError(
+            "--burstiness shapes the gaps between arrivals: give --rate too (without it, all arrive at once)"
+        )
     for name in ("repeats", "static_batch_size", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -258,13 +273,14 @@ def prepare(
 
         require_plotly()
     if args.model.partition(":")[0] != "sim":
-        _quiet_transformers()
+        _quiet_transformers(restore)
     model, tokenizer = load_model(args.model, config)
     threads = None
     if not isinstance(model, SimulatedModel):
         import torch
 
         if args.threads is not None:
+            restore.callback(torch.set_num_threads, torch.get_num_threads())
             torch.set_num_threads(args.threads)
         threads = torch.get_num_threads()
     setup = BenchSetup(
@@ -355,10 +371,13 @@ def _packing_note(model: Any, config: EngineConfig) -> str:
     return ", labkit linears oneDNN-packed" if config.pack_weights and PackedLinears.supported(model) else ""
 
 
-def _quiet_transformers() -> None:
+def _quiet_transformers(restore: ExitStack) -> None:
     """No loading bars or warnings from transformers in the output (e.g. about cutting prompts from a long text)."""
     from transformers.utils import logging as transformers_logging
 
+    restore.callback(transformers_logging.set_verbosity, transformers_logging.get_verbosity())
+    if transformers_logging.is_progress_bar_enabled():
+        restore.callback(transformers_logging.enable_progress_bar)
     transformers_logging.disable_progress_bar()
     transformers_logging.set_verbosity_error()
 

@@ -11,8 +11,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-dev}"
-if [ ! -x .venv/bin/python ]; then
-  "${PYTHON:-python3}" -m venv .venv
+# A .venv without pip is the half-made one that `python3 -m venv` leaves where the venv module lacks ensurepip
+# (Debian and Ubuntu without python3-venv): made again, not kept.
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+  base="${PYTHON:-python3}"
+  if ! "$base" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+    echo "labkit needs Python >= 3.10; $base is $("$base" --version 2>&1): set PYTHON to one, e.g. PYTHON=python3.12" >&2
+    exit 1
+  fi
+  rm -rf .venv
+  if ! "$base" -m venv .venv || ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+    echo "could not make .venv with pip in it (on Debian or Ubuntu: apt install python3-venv)" >&2
+    rm -rf .venv
+    exit 1
+  fi
   .venv/bin/python -m pip install -q --upgrade pip
 fi
 # shellcheck disable=SC1091

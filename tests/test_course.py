@@ -165,7 +165,8 @@ PYPI_TO_CONDA = {"torch": "pytorch-cpu"}
 
 
 def _lower_bound(spec: str) -> tuple[str, tuple[int, ...] | None]:
-    match = re.fullmatch(r"\s*([A-Za-z0-9_.\-]+)\s*(?:(>=|==|=)\s*([0-9][0-9.]*))?\s*", spec)
+    upper = r"(?:,\s*<\s*[0-9][0-9.]*)?"  # an upper bound, not compared
+    match = re.fullmatch(r"\s*([A-Za-z0-9_.\-]+)\s*(?:(>=|==|=)\s*([0-9][0-9.]*))?\s*" + upper + r"\s*", spec)
     assert match, f"cannot read requirement {spec!r}"
     name, _, version = match.groups()
     return name.lower(), tuple(int(x) for x in version.split(".")) if version else None

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import labkit.exercises.framework as framework
 from labkit import Engine, EngineConfig, SamplingParams
 from labkit.cli import main
 from labkit.core import prefix_cache
@@ -24,7 +25,7 @@ from labkit.core.blocks import BlockAllocator, BlockEvent, NoFreeBlocksError
 from labkit.core.prefix_cache import PrefixCache, PrefixMatch
 from labkit.core.request import RequestState
 from labkit.core.scheduler import Scheduler, SchedulerOutput
-from labkit.exercises import check, check_file, exercises, get, load_implementation, reference
+from labkit.exercises import check, check_file, exercises, get, load_implementation, reference, start_exercise
 from labkit.runtime.attention import paged_attention, slot_mapping
 from labkit.runtime.sampling import Sampler
 
@@ -38,6 +39,26 @@ def test_there_are_at_least_eight_exercises_each_with_a_stub_and_a_notebook():
         exercise = get(number)
         assert (STUBS / exercise.filename).is_file()
         assert (STUBS / exercise.filename.replace(".py", ".ipynb")).is_file()
+
+
+def test_where_labkit_is_installed_without_the_repository_start_writes_the_stubs(tmp_path, monkeypatch, capsys):
+    """On Colab a wheel has the stubs (labkit/exercises/stubs links to exercises/): start_exercise(N) puts them where
+    check(N) looks, and never overwrites a learner's file."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(framework, "LABKIT_DIR", tmp_path / "site-packages" / "labkit")  # no repository beside it
+    monkeypatch.delenv(framework.EXERCISES_DIR_ENV, raising=False)
+    assert "write the stubs here with start_exercise(1)" in check(1, quiet=True).load_error
+    for number in NUMBERS:
+        exercise = get(number)
+        written = start_exercise(number)
+        assert written == Path("exercises") / exercise.filename
+        assert written.read_text() == (STUBS / exercise.filename).read_text()
+        assert check(number, quiet=True).status == "not started"  # found there, every check waiting
+    assert "Wrote the stubs of exercise 1 to exercises/ex1_block_allocator.py" in capsys.readouterr().out
+    mine = Path("exercises") / get(1).filename
+    mine.write_text("# my work\n")
+    assert start_exercise(1) == Path.cwd() / "exercises" / get(1).filename and mine.read_text() == "# my work\n"
+    assert "Your file for exercise 1 is exercises/ex1_block_allocator.py" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("number", NUMBERS)

@@ -23,7 +23,7 @@ class EngineConfig:
     the weights and a warm-up step, on CPU a fixed 256 MiB (never most of RAM). ``device="auto"`` is
     CUDA when present, else CPU; ``dtype=None`` keeps the model's dtype. ``pack_weights`` lets a CPU
     runner keep a second copy of the linear weights in oneDNN's layout, which makes the linear layers
-    1.3-1.8x faster on steps of 4-64 rows (see labkit.runtime.packed); it has no effect on CUDA.
+    1.3-1.9x faster on steps of 1-64 rows (see labkit.runtime.packed); it has no effect on CUDA.
 
     ``enable_prefix_caching`` lets requests share the cached blocks of a common prompt prefix
     (labkit.core.prefix_cache; continuous policy only). ``scheduling`` orders the waiting queue

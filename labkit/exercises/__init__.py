@@ -5,9 +5,10 @@ Each exercise is a learner's file ``exercises/exN_<topic>.py`` (typed stubs that
 ``EXERCISE`` (found here by name: adding an exercise needs no registration) and a notebook
 ``exercises/exN_<topic>.ipynb``. The reference solutions are labkit's own classes and functions.
 
->>> from labkit.exercises import check
+>>> from labkit.exercises import check, start_exercise
 >>> result = check(1)                       # imports exercises/ex1_block_allocator.py
 >>> result = check(1, MyBlockAllocator)     # or an implementation defined in a notebook cell
+>>> path = start_exercise(1)                # on Colab: writes the stubs to exercises/ex1_block_allocator.py
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,25 @@ def reference(number: int) -> Any:
     return get(number).reference()
 
 
+def start_exercise(number: int, folder: str | os.PathLike[str] = "exercises") -> Path:
+    """Your file for exercise ``number``: the one :func:`check` imports, or, where there is none, a fresh copy of
+    its stubs written to ``folder``. On Colab labkit is installed without the repository's files: this puts the
+    file where ``check`` finds it, to open from the file browser. An existing file is never overwritten."""
+    exercise = get(number)
+    found = find_learner_file(exercise)
+    if found is not None:
+        print(f"Your file for exercise {number} is {display_path(found)}: fill in its stubs, then check again.")
+        return found
+    target = Path(folder) / exercise.filename
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text((files(__name__) / "stubs" / exercise.filename).read_text())
+    print(
+        f"Wrote the stubs of exercise {number} to {display_path(target)}: open it (on Colab, from the file browser"
+        " on the left), fill them in, save, then check again."
+    )
+    return target
+
+
 def check(
     number: int,
     implementation: Any = None,
@@ -86,8 +107,9 @@ def load_implementation(exercise: Exercise, path: str | os.PathLike[str] | None 
     if file is None or not file.is_file():
         where = str(file) if file is not None else f"exercises/{exercise.filename}"
         error = (
-            f"no file {where} here: open the repository's exercises folder, or define your implementation"
-            f" in a cell and pass it: check({exercise.number}, {exercise.export})"
+            f"no file {where} here: open the repository's exercises folder, write the stubs here with"
+            f" start_exercise({exercise.number}), or define your implementation in a cell and pass it:"
+            f" check({exercise.number}, {exercise.export})"
         )
         return None, where, error
     try:
@@ -138,4 +160,5 @@ __all__ = [
     "progress",
     "property_case",
     "reference",
+    "start_exercise",
 ]

@@ -4,8 +4,8 @@ A decode step multiplies a handful of token rows by every weight matrix of the m
 time goes to streaming those matrices through the caches, not to arithmetic. ``nn.Linear`` calls MKL's
 GEMM, which repacks the weight matrix into its own blocked layout on every call: for a few rows, that
 copy is a large part of the work. oneDNN (``torch.ops.mkldnn``, what ``torch.compile`` uses for frozen
-CPU weights) can pack each matrix once; a step then reads the packed copy directly. On steps of 4 to 64
-rows the linear layers run 1.3-1.8x faster (``benchmarks/packed_bench.py``); the results equal
+CPU weights) can pack each matrix once; a step then reads the packed copy directly. On steps of 1 to 64
+rows the linear layers run 1.3-1.9x faster (``benchmarks/packed_bench.py``); the results equal
 ``nn.Linear``'s up to float rounding. Steps of many rows (long prefill chunks) are bound by arithmetic
 instead, where packing gains little; they keep ``nn.Linear``. That also bounds the kernels oneDNN
 builds: one per weight shape and row count, the first time that count is seen (about a millisecond each).

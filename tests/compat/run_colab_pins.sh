@@ -25,8 +25,16 @@ fi
 py="$venv/bin/python"
 venv_site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 rm -f "$venv_site/labkit-base-packages.pth"
-"$py" -m pip install -q --disable-pip-version-check "ipywidgets==7.7.1" "plotly==5.24.1" pytest pytest-xdist nbclient nbformat ipykernel
-"$py" -m pip install -q --disable-pip-version-check --no-deps -e "$root"
+# Installed once: run again (offline too), the venv's own packages are checked and kept.
+if ! "$py" -c 'import ipywidgets, plotly, pytest, xdist, nbclient, nbformat, ipykernel
+assert (ipywidgets.__version__, plotly.__version__) == ("7.7.1", "5.24.1")' 2>/dev/null; then
+  "$py" -m pip install -q --disable-pip-version-check "ipywidgets==7.7.1" "plotly==5.24.1" pytest pytest-xdist nbclient \
+    nbformat ipykernel
+fi
+if ! "$py" -c 'import labkit, pathlib, sys; assert pathlib.Path(labkit.__file__).resolve().parents[1] == pathlib.Path(sys.argv[1])' \
+  "$root" 2>/dev/null; then
+  "$py" -m pip install -q --disable-pip-version-check --no-deps -e "$root"
+fi
 echo "$base_site" >"$venv_site/labkit-base-packages.pth"
 "$py" - <<'PY'
 import ipywidgets, plotly, torch

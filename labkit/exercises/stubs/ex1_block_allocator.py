@@ -1,0 +1,1 @@
+../../../exercises/ex1_block_allocator.py

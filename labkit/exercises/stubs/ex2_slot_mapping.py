@@ -1,0 +1,1 @@
+../../../exercises/ex2_slot_mapping.py

@@ -1,0 +1,1 @@
+../../../exercises/ex3_scheduler_step.py

@@ -1,0 +1,1 @@
+../../../exercises/ex4_preemption.py

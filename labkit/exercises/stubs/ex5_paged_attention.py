@@ -1,0 +1,1 @@
+../../../exercises/ex5_paged_attention.py

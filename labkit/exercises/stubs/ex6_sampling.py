@@ -1,0 +1,1 @@
+../../../exercises/ex6_sampling.py

@@ -1,0 +1,1 @@
+../../../exercises/ex7_static_batching.py

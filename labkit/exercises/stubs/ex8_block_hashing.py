@@ -1,0 +1,1 @@
+../../../exercises/ex8_block_hashing.py

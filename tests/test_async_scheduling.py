@@ -27,8 +27,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from labkit import Engine, EngineConfig, SamplingParams
+from labkit.core.blocks import BlockAllocator
 from labkit.core.config import SCHEDULING
-from labkit.core.request import PENDING_TOKEN
+from labkit.core.request import PENDING_TOKEN, Request
+from labkit.core.scheduler import Scheduler
 from labkit.core.sim import SimulatedModel
 from labkit.serving.metrics import request_stats
 from tests.conftest import Boom
@@ -203,6 +205,7 @@ def test_abort_between_steps_leaves_no_placeholder() -> None:
     assert engine.output(ids[1]).output_token_ids == victim.output_token_ids[:-1], "output() shows the tokens read"
     engine.abort(ids[1])
     assert PENDING_TOKEN not in victim.output_token_ids
+    assert len(victim.metrics.token_times) == len(victim.output_token_ids), "a dropped placeholder keeps no time"
     assert victim.finish_reason == "abort"
     reports = []
     while engine.has_unfinished():
@@ -262,6 +265,7 @@ def test_tokens_are_stamped_when_their_step_ended_not_when_the_next_one_did(cost
             assert after.start_time >= before.end_time - 1e-12
         for output in outputs:
             assert output.metrics.finish_time == output.metrics.token_times[-1]
+            assert output.metrics.first_token_time == output.metrics.token_times[0]
     if cost == "cpu":  # no host cost: planned ahead or not, the same steps take the same time
         assert stamps[True] == stamps[False]
     else:  # the host's time overlaps the device's: every token comes no later than one after the other
@@ -439,3 +443,44 @@ def test_an_online_workload_is_served_alike() -> None:
         runs.append([(o.output_token_ids, o.finish_reason) for o in run.outputs])
     assert runs[0] == runs[1]
     assert {reason for _, reason in runs[1]} == {"stop", "length"}
+
+
+def test_a_block_completed_by_a_read_token_is_cached_in_the_same_step_as_without_async_scheduling() -> None:
+    # Block 0 is filled by the first generated token (prompt 3, block 4); that token is still a placeholder
+    # when the step that decodes it commits, so resolve() must index the block once the token is read.
+    def cache_events(async_scheduling: bool) -> list[list[int]]:
+        config = EngineConfig(
+            block_size=4, num_blocks=16, enable_prefix_caching=True, async_scheduling=async_scheduling
+        )
+        engine = Engine(SimulatedModel(), config)
+        engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=12, ignore_eos=True))
+        reports = []
+        while engine.has_unfinished():
+            reports.append(engine.step())
+        return [[e.block_id for e in r.block_events if e.kind == "cache"] for r in reports]
+
+    assert cache_events(True) == cache_events(False) == [[], [0], [], [], [], [1], [], [], [], [2], [], []]
+
+
+def test_a_stop_token_read_late_leaves_one_token_time_per_token() -> None:
+    # The step after a stop token was planned and stamped a placeholder: both its token and its time are dropped.
+    prompts = [[5, 6, 7, i] for i in range(2, 8)]
+    params = SamplingParams(max_new_tokens=30)
+    engine = Engine(SimulatedModel(mean_output_len=3.0, seed=1), EngineConfig(async_scheduling=True))
+    outputs = engine.generate(prompts, params)
+    assert any(o.finish_reason == "stop" for o in outputs)
+    for output in outputs:
+        assert len(output.metrics.token_times) == len(output.output_token_ids)
+        assert output.metrics.finish_time == output.metrics.token_times[-1]
+
+
+def test_resolve_refuses_a_wrong_number_of_tokens_before_changing_anything() -> None:
+    config = EngineConfig(block_size=4, num_blocks=8, async_scheduling=True)
+    scheduler = Scheduler(config, BlockAllocator(config.num_blocks, config.block_size))
+    request = Request(0, [5, 6, 7], SamplingParams(max_new_tokens=4))
+    scheduler.add(request)
+    output = scheduler.schedule()
+    scheduler.update(output, [PENDING_TOKEN], now=1.0)  # committed with a placeholder, as the engine does
+    with pytest.raises(ValueError, match="the step samples 1 tokens, but the model returned 2"):
+        scheduler.resolve(output, [9, 9], now=2.0)
+    assert request.output_token_ids == [PENDING_TOKEN] and request.metrics.token_times == [1.0]

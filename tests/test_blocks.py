@@ -132,3 +132,21 @@ def test_events_carry_step_and_request_id():
 def test_bad_sizes_are_rejected(num_blocks, block_size, error, match):
     with pytest.raises(error, match=match):
         BlockAllocator(num_blocks, block_size)
+
+
+def test_a_table_started_empty_claims_its_first_slot_first():
+    allocator = BlockAllocator(num_blocks=2, block_size=2)
+    assert allocator.allocate("a", 0) == []
+    assert allocator.block_tables["a"] == [] and allocator.num_slots["a"] == 0
+    assert allocator.append_slot("a") == 0  # token 0: slot 0 of the first block taken
+    assert allocator.num_slots["a"] == 1
+
+
+def test_rollback_after_commit_changes_nothing():
+    allocator = BlockAllocator(num_blocks=4, block_size=2)
+    allocator.checkpoint()
+    allocator.allocate("a", 3)
+    allocator.commit()
+    allocator.rollback()  # no checkpoint since the commit: a no-op
+    assert allocator.block_tables == {"a": [0, 1]} and allocator.ref_counts == [1, 1, 0, 0]
+    assert list(allocator.free_blocks) == [2, 3] and allocator.num_slots == {"a": 3}

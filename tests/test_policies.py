@@ -6,7 +6,8 @@ The random runs of every policy are in test_scheduler.py (no caching) and test_p
 import pytest
 
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel
-from labkit.core.queues import AGEING, ShortestFirstQueue
+from labkit.core.queues import AGEING, FcfsQueue, ShortestFirstQueue
+from labkit.core.request import Request
 from tests.test_scheduler import run_to_completion
 
 
@@ -58,6 +59,7 @@ def test_priority_a_better_request_takes_the_blocks_it_needs_from_worse_ones():
     assert {w.request_id for w in report.scheduled} == {mid, high}
     run_to_completion(engine)
     assert engine.requests[low].finish_reason == "length" and engine.requests[low].metrics.num_preemptions == 1
+    assert engine.scheduler.waiting._keys == {}  # a finished request's key is forgotten
 
 
 def test_priority_a_newcomer_never_takes_the_blocks_of_a_request_that_outranks_it():
@@ -176,3 +178,48 @@ def test_shortest_first_ageing_bounds_how_long_a_long_request_waits():
     # Without ageing the long request waits forever behind the stream.
     _, _, finished = starve(0, steps=200)
     assert finished is None
+
+
+def test_priority_without_chunked_prefill_displaces_no_one_for_a_prompt_the_budget_left_cannot_hold():
+    # Without chunked prefill a prompt is computed in one step. The better running request decodes first and
+    # leaves 15 of the 16 tokens; the newcomer's 16-token prompt cannot start this step whatever it displaces,
+    # so low keeps running (displacing it would only make it compute its tokens again).
+    engine = engine_for("priority", max_batch_tokens=16, chunked_prefill=False)
+    top = engine.add_request([5, 6], SamplingParams(max_new_tokens=10, priority=0))
+    low = engine.add_request([7, 8], SamplingParams(max_new_tokens=10, priority=5))
+    engine.step()
+    newcomer = engine.add_request(list(range(2, 18)), SamplingParams(max_new_tokens=1, priority=1))
+    report = engine.step()
+    assert report.preempted == [] and report.admitted == []
+    assert {w.request_id for w in report.scheduled} == {top, low}
+    run_to_completion(engine)
+    assert [engine.requests[r].finish_reason for r in (top, low, newcomer)] == ["length"] * 3
+    assert engine.requests[low].metrics.num_preemptions == 0
+
+
+def test_the_fcfs_queue_can_be_used_as_a_deque():
+    # The exercises treat the waiting queue as a deque: append puts a request last, appendleft first.
+    queue = FcfsQueue()
+    a, b, c = (Request(i, [5, 6], SamplingParams()) for i in range(3))
+    queue.add(a, step=0)
+    queue.append(b)
+    queue.appendleft(c)
+    assert list(queue) == [c, a, b] and len(queue) == 3
+    assert queue.popleft() is c and list(queue) == [a, b]
+
+
+def test_priority_a_request_preempted_for_room_is_not_displaced_again_for_a_newcomer():
+    # Block size 2, four blocks: A (priority 0) and B (5) hold two each. At step 4 A needs a third block:
+    # B is preempted for room. H (1) outranks B but not A: it must not be admitted in that step on B's account.
+    engine = engine_for("priority", block_size=2, num_blocks=4, max_num_seqs=4)
+    a = engine.add_request([5, 6], SamplingParams(max_new_tokens=6, priority=0))
+    b = engine.add_request([7, 8], SamplingParams(max_new_tokens=6, priority=5))
+    for _ in range(3):
+        engine.step()
+    assert engine.num_free_blocks == 0
+    h = engine.add_request([9], SamplingParams(max_new_tokens=2, priority=1))
+    report = engine.step()
+    assert report.preempted == [b] and report.admitted == []
+    assert [w.request_id for w in report.scheduled] == [a]
+    run_to_completion(engine)
+    assert [engine.requests[r].finish_reason for r in (a, b, h)] == ["length"] * 3

@@ -58,6 +58,18 @@ def test_block_hash_chains_over_the_parent_and_is_the_same_in_every_process():
         assert out.stdout.strip() == block_hash(first, [9]).hex()
 
 
+def test_a_request_s_block_hashes_chain_block_hash_over_its_full_blocks():
+    engine = caching_engine()
+    request_id = engine.add_request([*PREFIX, 1], SamplingParams(max_new_tokens=1))
+    run_to_completion(engine)
+    expected, parent = [], None
+    for start in range(0, 12, 4):
+        parent = block_hash(parent, PREFIX[start : start + 4])
+        expected.append(parent)
+    assert engine.requests[request_id].block_hashes == expected
+    assert set(engine.allocator.prefix_cache.index) == set(expected)
+
+
 def test_a_hash_collision_is_caught_by_comparing_the_tokens(monkeypatch):
     # Every block hashes the same: the index can hold one block, and a lookup must still never hand out
     # a block whose tokens (or parent) differ from the request's.
@@ -168,6 +180,42 @@ def test_a_stale_block_whose_prefix_was_computed_again_elsewhere_is_evicted_as_a
     assert allocator.match_prefix(Request(4, prompt, SamplingParams())).blocks == table[:2]  # the rewritten copy
 
 
+def test_rolling_back_an_insert_that_took_a_stale_block_s_prefix_gives_the_prefix_back():
+    """As above, but the step that computed the prefix again fails: its rollback puts the stale blocks back in the
+    index (still stale), so the prefix misses as "evicted" again, not as "new"."""
+    allocator = BlockAllocator(5, 2, enable_prefix_caching=True)
+    cache = allocator.prefix_cache
+    prompt = [5, 6, 7, 8, 9]
+    allocator.allocate(0, 5)
+    allocator.cache_full_blocks(Request(0, prompt, SamplingParams()), 5)
+    allocator.free(0)
+    allocator.checkpoint()
+    allocator.allocate(1, 10)
+    allocator.rollback()  # blocks 0 and 1: indexed, reusable and stale
+    before = (dict(cache.index), dict(cache.digest_of), list(cache.reusable), set(cache.stale))
+    again = Request(2, prompt, SamplingParams())
+    allocator.checkpoint()
+    allocator.allocate(2, 5)
+    allocator.cache_full_blocks(again, 5)  # takes the prefix over from the stale blocks
+    assert set(cache.digest_of).isdisjoint({0, 1})
+    allocator.rollback()
+    assert (dict(cache.index), dict(cache.digest_of), list(cache.reusable), set(cache.stale)) == before
+    assert allocator.match_prefix(again).miss == "evicted"
+
+
+def test_a_cached_prefix_is_refused_for_a_request_that_already_owns_blocks():
+    allocator = BlockAllocator(8, 2, enable_prefix_caching=True)
+    prompt = [5, 6, 7, 8, 9]
+    allocator.allocate(0, 5)
+    allocator.cache_full_blocks(Request(0, prompt, SamplingParams()), 5)
+    allocator.allocate(1, 2)
+    match = allocator.match_prefix(Request(1, prompt, SamplingParams()))
+    assert len(match.blocks) == 2
+    with pytest.raises(ValueError, match="already owns blocks"):
+        allocator.allocate(1, 2, match)  # its table already covers the tokens: still refused
+    assert allocator.block_tables[1] == [3] and allocator.ref_counts[:3] == [1, 1, 1]
+
+
 def test_miss_reasons_tell_short_prompts_evicted_prefixes_and_new_ones_apart():
     engine = caching_engine(num_blocks=4)
     params = SamplingParams(max_new_tokens=1)
@@ -177,6 +225,7 @@ def test_miss_reasons_tell_short_prompts_evicted_prefixes_and_new_ones_apart():
     engine.generate([[5, 6, 7, 8, 9]], params)  # its block was evicted
     stats = sum_prefix_stats(engine.reports)
     assert (stats.miss_short, stats.miss_new, stats.miss_evicted) == (1, 2, 1)
+    assert stats.query_blocks == 0 + 1 + 3 + 1  # (prompt - 1) // 4 each: a prompt shorter than a block queries none
     assert stats.queries == 4 and stats.hit_tokens == 0
 
 
@@ -196,6 +245,24 @@ def test_the_evicted_digests_kept_for_miss_reasons_are_bounded():
     engine.generate([prompts[0]], params)
     engine.generate([prompts[2]], params)
     assert [(r.prefix_cache.miss_new, r.prefix_cache.miss_evicted) for r in engine.reports] == [(1, 0), (0, 1)]
+
+
+def test_rolling_back_an_eviction_brings_back_the_evicted_digest_it_forgot():
+    allocator = BlockAllocator(2, 2, enable_prefix_caching=True)
+    cache = allocator.prefix_cache
+    cache.remember_evicted = 2
+    prompts = ([1, 2, 3], [4, 5, 6], [7, 8, 9])
+    for request_id, prompt in enumerate(prompts):  # each caches one block, and evicts the previous prompt's
+        allocator.allocate(request_id, 3)
+        allocator.cache_full_blocks(Request(request_id, prompt, SamplingParams()), 3)
+        allocator.free(request_id)
+    before = list(cache.evicted.items())
+    assert [digest for digest, _ in before] == [block_hash(None, p[:2]) for p in prompts[:2]]
+    allocator.checkpoint()
+    allocator.allocate(3, 3)  # evicts [7, 8]'s block, which forgets [1, 2]'s digest, the oldest
+    assert list(cache.evicted) == [block_hash(None, p[:2]) for p in prompts[1:]]
+    allocator.rollback()
+    assert list(cache.evicted.items()) == before  # the forgotten digest is back, oldest again, with its tick
 
 
 # ---------------------------------------------------------------------------------------------------- preemption

@@ -189,3 +189,18 @@ def test_padding_rows_say_whether_they_pad_a_prefill_or_a_decode():
     assert prefill.padding and all(work.is_prefill for work in prefill.padding)
     decode = engine.step()  # the first request has finished: its row is a decode row's padding
     assert decode.padding and not any(work.is_prefill for work in decode.padding)
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_block_events_carry_the_step_of_the_report_that_lists_them(policy):
+    config = EngineConfig(policy=policy, block_size=2, num_blocks=6, max_batch_tokens=4, max_num_seqs=2)
+    engine = Engine(SimulatedModel(), config)
+    for prompt in ([5, 6, 7], [8, 9], [3, 4, 5, 6]):
+        engine.add_request(prompt, SamplingParams(max_new_tokens=3))
+    reports = []
+    while engine.has_unfinished():
+        reports.append(engine.step())
+    assert [r.step for r in reports] == list(range(1, len(reports) + 1))
+    assert any(r.block_events for r in reports[1:])
+    for report in reports:
+        assert {event.step for event in report.block_events} <= {report.step}

@@ -90,6 +90,7 @@ def test_static_batch_waste_accounting():
     assert [sum(w.num_tokens for w in r.scheduled) for r in reports] == [2 + 4 + 3, 2, 1, 1]
     assert sorted((w.request_id, w.start, w.num_tokens) for w in reports[0].padding) == [(a, 2, 2), (c, 3, 1)]
     assert [w.request_id for w in reports[2].padding] == [a, c]
+    assert [[w.is_prefill for w in r.scheduled] for r in reports] == [[True] * 3, [False] * 2, [False], [True]]
     # Each member reserves prompt + max_new_tokens - 1 slots up front (the last token is never fed back):
     # A 2 slots -> 1 block, B 6 slots -> 2 blocks, C 4 slots -> 1 block.
     allocs = [e.request_id for e in reports[0].block_events if e.kind == "alloc"]
@@ -218,6 +219,16 @@ def test_bad_requests_name_the_problem():
     with pytest.raises(TypeError, match="params must be a SamplingParams"):
         engine.add_request([5], {"max_new_tokens": 3})
     assert not engine.has_unfinished()
+
+
+def test_a_request_id_already_in_use_is_refused():
+    config = EngineConfig(block_size=4, num_blocks=8)
+    scheduler = Scheduler(config, BlockAllocator(config.num_blocks, config.block_size))
+    first = Request(0, [5, 6], SamplingParams(max_new_tokens=4))
+    scheduler.add(first)
+    with pytest.raises(ValueError, match="request id 0 is already in use"):
+        scheduler.add(Request(0, [7, 8], SamplingParams(max_new_tokens=4)))
+    assert list(scheduler.waiting) == [first] and scheduler.requests == {0: first}
 
 
 def test_abort_of_an_unknown_or_finished_request_raises_key_error():

@@ -3,9 +3,9 @@
 Workload: 32 requests arriving together, prompt lengths uniform in 16..128; 28 want 16..64 new tokens
 and 4 want 256 (in shuffled positions); greedy, EOS off. Methods:
 
-* labkit continuous - the engine with continuous batching and chunked prefill
-* labkit continuous, nn.Linear - the same, with the model's own linear layers instead of the oneDNN-packed
-  weights labkit uses on a CPU (labkit.runtime.packed): what packing adds to the engine's speed
+* labkit continuous - the engine with continuous batching and chunked prefill, as configured by default (its
+  linear layers oneDNN-packed if the runner measured that faster here: labkit.runtime.packed)
+* labkit continuous, packed / nn.Linear - the same with packing forced on / off: what packing does on this CPU
 * labkit static     - the same engine, static batches of 8 in arrival order (padded prompts, finished rows kept)
 * HF generate       - transformers ``model.generate`` on left-padded batches of 8 in arrival order
 * HF continuous     - transformers' continuous-batching manager, per-request max_new_tokens
@@ -59,7 +59,7 @@ Generate = Callable[[Sequence[list[int]], Sequence[int]], list[list[int]]]
 
 @contextmanager
 def labkit_session(
-    model: torch.nn.Module, block_size: int, policy: str, pack_weights: bool = True
+    model: torch.nn.Module, block_size: int, policy: str, pack_weights: bool | None = None
 ) -> Iterator[Generate]:
     static = policy == "static"
     config = EngineConfig(
@@ -102,6 +102,7 @@ def hf_continuous_session(model: torch.nn.Module, block_size: int) -> Iterator[G
 # Each session sets its method up (engine, cache, background thread: not timed) and yields a generate call.
 SESSIONS: dict[str, Callable[[torch.nn.Module, int], AbstractContextManager[Generate]]] = {
     "labkit continuous": lambda model, block_size: labkit_session(model, block_size, "continuous"),
+    "labkit continuous, packed": lambda model, block_size: labkit_session(model, block_size, "continuous", True),
     "labkit continuous, nn.Linear": lambda model, block_size: labkit_session(model, block_size, "continuous", False),
     "labkit static": lambda model, block_size: labkit_session(model, block_size, "static"),
     "HF generate (padded, 8)": hf_generate_session,

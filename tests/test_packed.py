@@ -63,7 +63,7 @@ def test_packed_weights_are_switched_on_only_inside_a_step():
 def test_changed_weights_are_packed_again_before_the_next_step():
     """Training, loading or replacing weights after the engine was built must show in its outputs."""
     model = small_model("qwen2")
-    engine = Engine(model, EngineConfig(block_size=4, num_blocks=64, device="cpu"))
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=64, device="cpu", pack_weights=True))
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     prompt = list(range(3, 20))
 
@@ -89,6 +89,45 @@ def test_changed_weights_are_packed_again_before_the_next_step():
     after = engine_tokens()
     assert after != before and after == generate_tokens()
     assert not any(layer.stale() for layer in layers)
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_by_default_packing_is_kept_where_it_was_measured_faster(monkeypatch, faster):
+    """oneDNN's packed kernels beat MKL's on some CPUs and lose on others: the default measures, once per model."""
+    timed = []
+
+    def measured(self):
+        timed.append(self)
+        return faster
+
+    monkeypatch.setattr(PackedLinears, "faster_than_linear", measured)
+    model = small_model()
+    engines = [Engine(model, EngineConfig(block_size=4, num_blocks=16, device="cpu")) for _ in range(2)]
+    assert [e.runner.packed_linears is not None for e in engines] == [faster, faster]
+    assert len(timed) == 1  # the second engine on the model gets the first one's answer
+    forced = Engine(model, EngineConfig(block_size=4, num_blocks=16, device="cpu", pack_weights=True))
+    assert forced.runner.packed_linears is not None and len(timed) == 1
+
+
+@pytest.mark.parametrize("slow", ["packed", "linear"])
+def test_the_measurement_keeps_the_kernel_that_runs_faster(monkeypatch, slow):
+    import time
+
+    import labkit.runtime.packed as packed_module
+
+    def slowed(function):
+        def run(*args, **kwargs):
+            time.sleep(2e-4)  # far more than either kernel takes on these small layers
+            return function(*args, **kwargs)
+
+        return run
+
+    packed = PackedLinears(small_model())
+    if slow == "packed":
+        monkeypatch.setattr(packed_module.PackedLayer, "__call__", slowed(packed_module.PackedLayer.__call__))
+    else:
+        monkeypatch.setattr(packed_module.F, "linear", slowed(torch.nn.functional.linear))
+    assert packed.faster_than_linear() == (slow == "linear")
 
 
 def test_a_layer_with_a_forward_of_its_own_keeps_it():
@@ -129,8 +168,8 @@ def test_engine_outputs_and_model_are_the_same_with_and_without_packing():
     assert after[0, len(prompts[1]) :].tolist() == outputs[True][1]
 
 
-def test_pack_weights_must_be_a_bool():
-    with pytest.raises(TypeError, match="pack_weights must be a bool"):
+def test_pack_weights_must_be_none_or_a_bool():
+    with pytest.raises(TypeError, match="pack_weights must be None or a bool, got str"):
         EngineConfig(pack_weights="yes")
 
 

@@ -23,7 +23,8 @@ class EngineConfig:
     the weights and a warm-up step, on CPU a fixed 256 MiB (never most of RAM). ``device="auto"`` is
     CUDA when present, else CPU; ``dtype=None`` keeps the model's dtype. ``pack_weights`` lets a CPU
     runner keep a second copy of the linear weights in oneDNN's layout, which makes the linear layers
-    1.3-1.9x faster on steps of 1-64 rows (see labkit.runtime.packed); it has no effect on CUDA.
+    1.3-1.9x faster on some CPUs and slower on others (see labkit.runtime.packed): None (the default) times
+    both once per model and keeps the faster, True and False choose; it has no effect on CUDA.
 
     ``enable_prefix_caching`` lets requests share the cached blocks of a common prompt prefix
     (labkit.core.prefix_cache; continuous policy only). ``scheduling`` orders the waiting queue
@@ -53,7 +54,7 @@ class EngineConfig:
     chunked_prefill: bool = True
     device: str = "auto"
     dtype: Any = None
-    pack_weights: bool = True
+    pack_weights: bool | None = None  # None: packed where measured faster
     enable_prefix_caching: bool = False
     scheduling: str = "fcfs"
     attention_backend: str = "auto"
@@ -78,9 +79,11 @@ class EngineConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"scheduling must be one of {SCHEDULING}, got {self.scheduling!r}")
-        for name in ("chunked_prefill", "pack_weights", "enable_prefix_caching", "async_scheduling"):
+        for name in ("chunked_prefill", "enable_prefix_caching", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.pack_weights is not None and not isinstance(self.pack_weights, bool):
+            raise TypeError(f"pack_weights must be None or a bool, got {type(self.pack_weights).__name__}")
         if self.enable_prefix_caching and self.policy == "static":
             raise ValueError(
                 "enable_prefix_caching needs policy='continuous': the static baseline prefills whole padded prompts"

@@ -4,9 +4,12 @@ A decode step multiplies a handful of token rows by every weight matrix of the m
 time goes to streaming those matrices through the caches, not to arithmetic. ``nn.Linear`` calls MKL's
 GEMM, which repacks the weight matrix into its own blocked layout on every call: for a few rows, that
 copy is a large part of the work. oneDNN (``torch.ops.mkldnn``, what ``torch.compile`` uses for frozen
-CPU weights) can pack each matrix once; a step then reads the packed copy directly. On steps of 1 to 64
-rows the linear layers run 1.3-1.9x faster (``benchmarks/packed_bench.py``); the results equal
-``nn.Linear``'s up to float rounding. Steps of many rows (long prefill chunks) are bound by arithmetic
+CPU weights) can pack each matrix once; a step then reads the packed copy directly. Whether that wins depends
+on the CPU and the matrices (``benchmarks/packed_bench.py``, the course's small model on one thread: 1.3-1.9x
+faster on steps of 1 to 64 rows on an AMD EPYC, 0.6-1.0x on an Intel Xeon, where MKL's small calls are
+cheaper than oneDNN's), so by default an engine times both once per model and keeps the faster
+(:meth:`PackedLinears.if_faster`). The results equal ``nn.Linear``'s up to float rounding. Steps of many rows
+(long prefill chunks) are bound by arithmetic
 instead, where packing gains little; they keep ``nn.Linear``. That also bounds the kernels oneDNN
 builds: one per weight shape and row count, the first time that count is seen (about a millisecond each).
 
@@ -18,6 +21,8 @@ next step.
 
 from __future__ import annotations
 
+import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -26,6 +31,11 @@ import torch.nn.functional as F
 
 # Rows up to which a layer runs on its packed weights; oneDNN picks the packed layout for this many.
 PACKED_MAX_ROWS = 64
+# How packing is judged for a model: its first layers (a decoder layer's projections, not the vocabulary-sized
+# head) on a few row counts a decode step has, best of some rounds; kept when it takes at most this share of
+# nn.Linear's time.
+TIMED_LAYERS, TIMED_ROWS, TIMED_ROUNDS, KEEP_IF_WITHIN = 8, (1, 8, 32), 5, 0.9
+_FASTER: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()  # model -> packing won
 
 
 class PackedLinears:
@@ -49,6 +59,43 @@ class PackedLinears:
         except RuntimeError:
             return None
         return packed
+
+    @classmethod
+    def if_faster(cls, model: torch.nn.Module) -> PackedLinears | None:
+        """Packed weights for ``model`` where this CPU runs them faster than ``nn.Linear``, else None.
+
+        The first time for a model (a few milliseconds) its first layers are timed both ways; every later engine
+        on that model in this process gets the same answer, so runs compared in one session run the same kernels.
+        """
+        packed = cls.of(model)
+        if packed is None:
+            return None
+        if model not in _FASTER:
+            _FASTER[model] = packed.faster_than_linear()
+        return packed if _FASTER[model] else None
+
+    def faster_than_linear(self) -> bool:
+        """Whether the packed layers take at most KEEP_IF_WITHIN of nn.Linear's time on a few decode-sized steps."""
+        layers = self.layers[:TIMED_LAYERS]
+        inputs = [
+            [torch.ones(rows, layer.module.in_features, dtype=layer.module.weight.dtype) for layer in layers]
+            for rows in TIMED_ROWS
+        ]
+
+        def seconds(packed: bool) -> float:
+            start = time.perf_counter()
+            for step in inputs:
+                for layer, x in zip(layers, step, strict=True):
+                    layer(x) if packed else F.linear(x, layer.module.weight, layer.module.bias)
+            return time.perf_counter() - start
+
+        best = {True: float("inf"), False: float("inf")}
+        with torch.inference_mode():
+            seconds(True), seconds(False)  # oneDNN builds its kernel for each shape on first use
+            for _ in range(TIMED_ROUNDS):
+                for packed in best:
+                    best[packed] = min(best[packed], seconds(packed))
+        return best[True] <= KEEP_IF_WITHIN * best[False]
 
     def check_first_layer(self) -> None:
         """Raise RuntimeError unless the first packed layer computes what ``nn.Linear`` computes."""

@@ -128,7 +128,8 @@ class ModelRunner:
         self.attention_fn = attention_fn
         self.sampler = Sampler() if sampler is None else sampler
         self.cache: PagedKVCache | None = None
-        self.packed_linears = PackedLinears.of(self.model) if config.pack_weights else None
+        packing = {None: PackedLinears.if_faster, True: PackedLinears.of, False: lambda model: None}
+        self.packed_linears = packing[config.pack_weights](self.model)
         self.attention_name = ATTENTION_NAME
         self.graphs: Any = None  # DecodeGraphs, captured in init_cache
         if self.attention_backend == "triton":

@@ -240,7 +240,7 @@ def prepare(
         max_batch_tokens=args.max_batch_tokens,
         max_num_seqs=args.max_num_seqs,
         chunked_prefill=not args.no_chunked_prefill,
-        pack_weights=not args.no_pack_weights,
+        pack_weights=False if args.no_pack_weights else None,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling=args.scheduling,
         async_scheduling=args.async_scheduling,
@@ -365,10 +365,15 @@ def prepare(
 
 
 def _packing_note(model: Any, config: EngineConfig) -> str:
-    """Whether labkit's modes multiply by oneDNN-packed weights; the transformers modes never do."""
+    """Whether labkit's modes multiply by oneDNN-packed weights (the transformers modes never do): by default,
+    what the engines will find when they time both kernels, once for this model."""
     from labkit.runtime.packed import PackedLinears
 
-    return ", labkit linears oneDNN-packed" if config.pack_weights and PackedLinears.supported(model) else ""
+    if config.pack_weights is False or not PackedLinears.supported(model):
+        return ""
+    if config.pack_weights is None and PackedLinears.if_faster(model) is None:
+        return ", labkit linears nn.Linear (oneDNN-packed measured slower here)"
+    return ", labkit linears oneDNN-packed"
 
 
 def _quiet_transformers(restore: ExitStack) -> None:

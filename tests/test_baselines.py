@@ -441,11 +441,20 @@ def test_baselines_refuse_what_they_could_not_finish_before_running(options, mes
 
 
 @pytest.mark.parametrize(
-    ("options", "packed"),
-    [(["--modes", "labkit-continuous"], True), (["--modes", "labkit-continuous", "--no-pack-weights"], False)],
+    ("options", "faster", "note"),
+    [
+        ([], True, ", labkit linears oneDNN-packed"),
+        ([], False, ", labkit linears nn.Linear (oneDNN-packed measured slower here)"),
+        (["--no-pack-weights"], True, ""),
+    ],
 )
-def test_header_says_whether_labkit_runs_packed_weights(options, packed, capsys):
+def test_header_says_whether_labkit_runs_packed_weights(options, faster, note, monkeypatch, capsys):
+    """By default packing is measured on the model; the header says what the labkit modes will run."""
+    from labkit.runtime.packed import PackedLinears
+
+    monkeypatch.setattr(PackedLinears, "faster_than_linear", lambda self: faster)
     argv = ["--model", "random:tiny", "--workload", "uniform", "--num-requests", "2", "--prompt-len", "4,8"]
-    assert main([*argv, "--output-len", "2,3", "--threads", "1", "--no-progress", *options]) == 0
+    argv += ["--output-len", "2,3", "--threads", "1", "--no-progress", "--modes", "labkit-continuous", *options]
+    assert main(argv) == 0
     header = capsys.readouterr().out.splitlines()[0]
-    assert header.startswith("random:tiny on cpu") and ("labkit linears oneDNN-packed" in header) == packed
+    assert header.startswith("random:tiny on cpu (") and header.endswith(f"float32, torch threads: 1{note}")

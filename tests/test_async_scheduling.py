@@ -194,6 +194,22 @@ def test_a_request_aborted_before_its_first_token_was_read_has_no_time_to_first_
     assert engine.output(first).metrics.first_token_time is not None
 
 
+def test_first_scheduled_time_is_the_start_of_the_step_that_admitted_the_request() -> None:
+    engine = Engine(SimulatedModel(), EngineConfig(async_scheduling=True, max_num_seqs=2))
+    reports: list = []
+    engine.step_listeners.append(reports.append)
+    outputs = engine.generate([[3, 4, i] for i in range(2, 6)], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    admitted_at: dict[int, float] = {}
+    for report in reports:
+        for request_id in report.admitted:
+            admitted_at.setdefault(request_id, report.start_time)
+    assert sorted(admitted_at) == [o.request_id for o in outputs]
+    for output in outputs:
+        assert output.metrics.first_scheduled_time == admitted_at[output.request_id]
+        assert request_stats(output).queue_time is not None
+    assert request_stats(outputs[-1]).queue_time > 0  # max_num_seqs=2: the last two waited
+
+
 def test_abort_between_steps_leaves_no_placeholder() -> None:
     model = SimulatedModel()
     engine = Engine(model, EngineConfig(async_scheduling=True, max_num_seqs=4))

@@ -171,12 +171,69 @@ def test_a_progress_bar_leaves_no_thread_behind():
     assert set(threading.enumerate()) <= before
 
 
+@pytest.mark.parametrize(("prompt_len", "max_new_tokens"), [(5, 4), (8, 1)])
+def test_a_request_that_just_fits_the_model_length_is_served(prompt_len, max_new_tokens):
+    # The last generated token is never fed back: prompt + max_new_tokens - 1 positions are all it needs.
+    engine = Engine(SimulatedModel(max_model_len=8), CONFIG)
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    (output,) = engine.generate([[5] * prompt_len], params)
+    assert len(output.output_token_ids) == max_new_tokens and output.finish_reason == "length"
+    with pytest.raises(ValueError, match="maximum length"):
+        engine.add_request([5] * prompt_len, dataclasses.replace(params, max_new_tokens=max_new_tokens + 1))
+    with pytest.raises(ValueError, match="maximum length"):
+        engine.add_request([5] * 9, SamplingParams(max_new_tokens=1))
+
+
+def test_a_request_refused_for_the_cache_size_takes_no_request_id():
+    engine = sim_engine()  # 32 blocks x 4 = 128 slots
+    first = engine.add_request([5, 6, 7], GREEDY)
+    with pytest.raises(ValueError, match="whole KV cache"):
+        engine.add_request([5] * 126, GREEDY)
+    assert engine.add_request([5, 6, 7], GREEDY) == first + 1
+    assert set(engine.requests) == {first, first + 1}
+
+
+def test_generate_s_progress_bar_counts_every_request_and_is_closed(monkeypatch):
+    bars = []
+
+    class Bar:
+        def __init__(self, total: int, desc: str) -> None:
+            self.total, self.done, self.closed = total, 0, False
+            bars.append(self)
+
+        def update(self, n: int) -> None:
+            self.done += n
+
+        def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr("labkit.core.engine.progress_bar", Bar)
+    sim_engine().generate([[5, 6, 7], [8, 9], [10]], GREEDY, progress=True)
+    (bar,) = bars
+    assert (bar.total, bar.done, bar.closed) == (3, 3, True)
+
+
 def test_numpy_token_ids_are_served_as_ints():
     engine = sim_engine()
     (numpy_ids,) = engine.generate([list(np.array([5, 6, 7]))], GREEDY)  # elements are np.int64
     (plain,) = sim_engine().generate([[5, 6, 7]], GREEDY)
     assert numpy_ids.output_token_ids == plain.output_token_ids
     assert all(type(t) is int for t in numpy_ids.prompt_token_ids)
+
+
+def test_a_prompt_mixing_numpy_and_python_ints_is_stored_as_ints():
+    (output,) = sim_engine().generate([[5, np.int64(6), 7]], GREEDY)
+    assert output.prompt_token_ids == [5, 6, 7] and all(type(t) is int for t in output.prompt_token_ids)
+
+
+def test_every_token_id_of_the_vocabulary_is_a_valid_prompt_token():
+    engine = sim_engine()
+    vocab = engine.runner.vocab_size
+    (output,) = engine.generate([[0, 5, vocab - 1]], GREEDY)  # 0 and vocab - 1 are the edges, both inside
+    assert output.prompt_token_ids == [0, 5, vocab - 1] and len(output.output_token_ids) == 4
+    for token in (-1, vocab):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            engine.add_request([5, token], GREEDY)
 
 
 @pytest.mark.parametrize(

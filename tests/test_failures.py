@@ -311,6 +311,15 @@ def test_a_string_is_one_prompt_and_a_flat_list_of_ints_is_refused():
     assert engine.requests == {} and not engine.has_unfinished()
 
 
+def test_a_list_mixing_prompts_and_ints_is_refused_at_its_int():
+    engine = Engine(SimulatedModel(vocab_size=100), EngineConfig(block_size=4, num_blocks=16))
+    params = SamplingParams(max_new_tokens=3)
+    for prompts in ([[5, 6, 7], 8], [8, [5, 6, 7]]):  # not a flat list of ints: one of its prompts is bad
+        with pytest.raises(TypeError, match="prompt must be a list of token ids or a string, got int"):
+            engine.generate(prompts, params)
+    assert engine.requests == {} and not engine.has_unfinished()
+
+
 # ---------------------------------------------------------------------------------------------------- policies
 
 

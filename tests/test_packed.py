@@ -100,11 +100,20 @@ def test_by_default_packing_is_kept_where_it_was_measured_faster(monkeypatch, fa
         timed.append(self)
         return faster
 
+    packings = []
+    pack = PackedLinears.__init__
+
+    def counted(self, model):
+        packings.append(model)
+        pack(self, model)
+
     monkeypatch.setattr(PackedLinears, "faster_than_linear", measured)
+    monkeypatch.setattr(PackedLinears, "__init__", counted)
     model = small_model()
     engines = [Engine(model, EngineConfig(block_size=4, num_blocks=16, device="cpu")) for _ in range(2)]
     assert [e.runner.packed_linears is not None for e in engines] == [faster, faster]
     assert len(timed) == 1  # the second engine on the model gets the first one's answer
+    assert len(packings) == (2 if faster else 1)  # where packing lost, the second engine packs nothing
     forced = Engine(model, EngineConfig(block_size=4, num_blocks=16, device="cpu", pack_weights=True))
     assert forced.runner.packed_linears is not None and len(timed) == 1
 

@@ -47,13 +47,13 @@ class StepReport:
     finished: dict[int, str] = field(default_factory=dict)  # request id -> finish reason
     block_events: list[BlockEvent] = field(default_factory=list)
     num_free_blocks: int = 0  # after the step: the requests that finished in it have given theirs back
+    num_free_blocks_in_step: int | None = None  # while the step ran: its blocks taken, none given back yet
     num_blocks: int = 0
     block_size: int = 0
     num_running: int = 0
     num_waiting: int = 0
     prefix_cache: PrefixCacheStats | None = None  # this step's prefix-cache lookups (None: caching off)
     gpu_util: float | None = None  # GPU utilisation (%) that a listener sampled from NVML after the step, if any
-    num_free_blocks_in_step: int | None = None  # while the step ran: its blocks taken, none given back yet
 
     @property
     def end_time(self) -> float:

@@ -65,8 +65,11 @@ class PackedLinears:
         """Packed weights for ``model`` where this CPU runs them faster than ``nn.Linear``, else None.
 
         The first time for a model (a few milliseconds) its first layers are timed both ways; every later engine
-        on that model in this process gets the same answer, so runs compared in one session run the same kernels.
+        on that model in this process gets the same answer, so runs compared in one session run the same kernels,
+        and where packing lost, no later engine packs the weights at all.
         """
+        if _FASTER.get(model) is False:
+            return None
         packed = cls.of(model)
         if packed is None:
             return None

@@ -128,8 +128,10 @@ class ModelRunner:
         self.attention_fn = attention_fn
         self.sampler = Sampler() if sampler is None else sampler
         self.cache: PagedKVCache | None = None
-        packing = {None: PackedLinears.if_faster, True: PackedLinears.of, False: lambda model: None}
-        self.packed_linears = packing[config.pack_weights](self.model)
+        if config.pack_weights is None:  # packed where this CPU runs packed weights faster (runtime.packed)
+            self.packed_linears = PackedLinears.if_faster(self.model)
+        else:
+            self.packed_linears = PackedLinears.of(self.model) if config.pack_weights else None
         self.attention_name = ATTENTION_NAME
         self.graphs: Any = None  # DecodeGraphs, captured in init_cache
         if self.attention_backend == "triton":

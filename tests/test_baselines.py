@@ -239,8 +239,11 @@ def test_an_older_transformers_on_a_cpu_needs_psutil_to_size_its_cache(
     """transformers 5.15-5.20 would otherwise read 0 bytes free and refuse every cache with a MemoryError."""
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(transformers, "__version__", version)
+    # transformers calls find_spec too (with a package argument, the first time it looks for a library).
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name: find_spec(name) if name != "psutil" or has_psutil else None
+        importlib.util,
+        "find_spec",
+        lambda name, *args: find_spec(name, *args) if name != "psutil" or has_psutil else None,
     )
     if refused:
         with pytest.raises(RuntimeError, match=r"transformers 5\.17\.0 .* pip install psutil"):

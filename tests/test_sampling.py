@@ -83,6 +83,17 @@ def test_top_k_and_top_p_restrict_the_support():
     assert {draw(logits, u) for u in grid} == set(range(6))
 
 
+def test_ties_are_walked_in_vocabulary_order():
+    """Equal logits keep their vocabulary order, as in the plain-Python reference (a stable sort)."""
+    logits = [1.0 if i % 3 == 0 else 0.0 for i in range(300)]
+    assert draw(logits, 0.99, top_k=1) == draw(logits, 0.0, top_k=1) == 0  # what argmax picks
+    assert {draw(logits, u, top_k=3) for u in (0.1, 0.5, 0.9)} == {0, 3, 6}
+    rng = random.Random(0)
+    for _ in range(50):
+        u = rng.random()
+        assert draw(logits, u, top_p=0.5) == expected_token(logits, u, 1.0, 0, 0.5)
+
+
 def test_sampler_mixes_greedy_and_sampled_rows():
     logits = torch.tensor([[0.0, 5.0, 1.0], [4.0, 0.0, 3.9], [0.0, 0.0, 9.0]])
     params = [SamplingParams(), SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=1.0, top_k=1)]

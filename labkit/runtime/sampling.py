@@ -90,7 +90,9 @@ class Sampler:
         other randomness is drawn, which is what makes a seeded request batch-invariant (exercise 6).
         """
         vocab = logits.shape[-1]
-        sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # a temperature keeps the order
+        # A temperature keeps the order. Stable: equal logits stay in vocabulary order, so top_k=1 picks what
+        # argmax picks, and a seeded draw among ties is the same token on every device and in every batch.
+        sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)
         # Scaled with the largest logit shifted to 0, the others stay <= 0 however small the temperature: they
         # can underflow to probability 0 but never overflow to inf and NaN, so a tiny temperature tends to greedy.
         # The clamp keeps a temperature below float32's range from rounding to 0.

@@ -29,9 +29,10 @@ class MyScheduler(Scheduler):
     def schedule_continuous(self) -> SchedulerOutput:
         """Plan one step: return ``SchedulerOutput(step=self.step_index + 1, chunks=[])`` filled in.
 
-        1. Running requests first, in order: each gets ``n = min(remaining, budget)`` tokens from
-           ``request.num_computed_tokens`` on, where remaining is ``num_tokens - num_computed_tokens`` (1 for
-           a decoding request; ``is_prefill`` is ``request.state is RequestState.PREFILLING``). Without
+        1. Running requests first, in order, while the budget is positive: each gets ``n = min(remaining,
+           budget)`` tokens from ``request.num_computed_tokens`` on, where remaining is ``num_tokens -
+           num_computed_tokens`` (1 for a decoding request; ``is_prefill`` is ``request.state is
+           RequestState.PREFILLING``). Without
            ``config.chunked_prefill`` a request whose remaining tokens do not fit is skipped this step. Grow
            its blocks with ``allocator.allocate(request_id, num_computed_tokens + n)``; while it needs more
            blocks than are free, preempt the youngest running request not yet preempted
@@ -43,7 +44,11 @@ class MyScheduler(Scheduler):
            (the whole ``num_tokens`` without chunked prefill): a request preempted earlier recomputes its
            prompt and the tokens it generated, not just its prompt. Allocate, then
            ``output.admitted.append(request)`` and ``output.add_chunk(request, 0, n, True)``.
-        The chunks never total more than ``config.max_batch_tokens``. (``self.evict_first`` lists the
-        victims of a step that failed and was rolled back; labkit's own version evicts them first.)
+        The chunks never total more than ``config.max_batch_tokens``.
+
+        A step that fails after planning (the model raises) is rolled back, but it may already have written
+        keys and values into the blocks its victims gave up: ``self.evict_first`` lists those victims, and
+        the ones not finished since are the last of ``self.running``. In step 1, walk only the running
+        requests before them; after it, preempt each of them not yet preempted; such a step admits nothing.
         """
         raise NotImplementedError("Exercise 3")

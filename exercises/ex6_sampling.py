@@ -28,7 +28,8 @@ class MySampler(Sampler):
 
         ``logits`` is (rows, vocab) float32; ``temperature`` (> 0), ``top_k`` and ``top_p`` hold one value
         per row. In order: divide the row's logits by its temperature; keep its ``top_k`` most likely tokens
-        (``top_k == 0``: all; it is never more than the vocabulary); softmax what is left (so top-p sees the
+        (``top_k == 0``: all; it is never more than the vocabulary), exactly ``top_k`` of them even when
+        several tie with the last one kept (any of those will do); softmax what is left (so top-p sees the
         renormalised probabilities); keep the smallest set of most probable tokens whose mass reaches
         ``top_p``: walking them in decreasing probability, a token is dropped once the mass before it is
         already >= top_p (``top_p == 1``: all). A mass exactly equal to ``top_p`` reaches it: four tokens of

@@ -26,6 +26,7 @@ from labkit.core.prefix_cache import PrefixCache, PrefixMatch
 from labkit.core.request import RequestState
 from labkit.core.scheduler import Scheduler, SchedulerOutput
 from labkit.exercises import check, check_file, exercises, get, load_implementation, reference, start_exercise
+from labkit.exercises.engine_runs import history
 from labkit.runtime.attention import paged_attention, slot_mapping
 from labkit.runtime.sampling import Sampler
 
@@ -318,6 +319,8 @@ class LearnerScheduler(Scheduler):
     prompt_only = False  # admit a request with its prompt alone, not its prompt and generated tokens
     preempts_itself = True  # the youngest request, short of a block, is its own victim and gets no chunk
     skips_ahead = False  # admission passes a waiting request that cannot start, for a later one
+    evicts_first = True  # a rolled-back step's victims are preempted again before anything runs
+    labels = True  # a chunk is a prefill while its request is PREFILLING
 
     def schedule_continuous(self):
         cfg, allocator = self.config, self.allocator
@@ -326,8 +329,10 @@ class LearnerScheduler(Scheduler):
         if self.prefill_first:
             budget = self.admit_waiting(output, budget)
         live = len(self.running)  # running[live:] are this step's victims
+        evict = [r for r in self.evict_first if r.state is not RequestState.FINISHED] if self.evicts_first else []
+        runnable = live - len(evict)  # running[:runnable] may run
         i = 0
-        while i < live and budget > 0:
+        while i < min(runnable, live) and budget > 0:
             request = self.running[i]
             remaining = request.num_tokens - request.num_computed_tokens
             n = min(remaining, budget)
@@ -342,9 +347,13 @@ class LearnerScheduler(Scheduler):
             if live == i:
                 break
             allocator.allocate(request.request_id, end)
-            output.add_chunk(request, request.num_computed_tokens, n, request.state is RequestState.PREFILLING)
+            prefill = request.state is RequestState.PREFILLING and self.labels
+            output.add_chunk(request, request.num_computed_tokens, n, prefill)
             budget -= n
             i += 1
+        while live > runnable:
+            live -= 1
+            self.preempt(output, self.running[live])
         if not self.prefill_first and not output.preempted:
             self.admit_waiting(output, budget)
         return output
@@ -439,6 +448,18 @@ class SkipsAheadInTheQueue(LearnerScheduler):
     skips_ahead = True
 
 
+class IgnoresEvictFirst(LearnerScheduler):
+    """Lets a rolled-back step's victim run again on blocks that step may have written into."""
+
+    evicts_first = False
+
+
+class LabelsEveryChunkDecode(LearnerScheduler):
+    """Passes is_prefill=False for a running request's prompt chunks."""
+
+    labels = False
+
+
 def test_ex3_a_scheduler_written_from_the_contract_passes():
     assert check(3, LearnerScheduler, quiet=True).passed
 
@@ -480,6 +501,24 @@ def test_ex3_a_scheduler_written_from_the_contract_passes():
             SkipsAheadInTheQueue,
             "admission stops at the first waiting request that cannot start",
             ["got:      step 1: prefill r0 [0:8]; prefill r2 [0:3]", "jump the queue"],
+        ),
+        (
+            IgnoresEvictFirst,
+            "a rolled-back step's victims are preempted before anything runs",
+            [
+                "expected: step 8: decode r1 [12:13]; preempted [2]",
+                "got:      step 8: decode r1 [12:13]; decode r2 [12:13]",
+                "self.evict_first lists them",
+            ],
+        ),
+        (
+            LabelsEveryChunkDecode,
+            "with chunked prefill a long prompt is split across steps",
+            [
+                "expected: step 2: prefill r0 [12:24]",
+                "got:      step 2: decode r0 [12:24]",
+                "a chunk is a prefill while its request is PREFILLING",
+            ],
         ),
     ],
 )
@@ -562,6 +601,28 @@ def test_ex4_planted_mistakes_are_named():
     assert "r2: state RequestState.WAITING, num_computed_tokens 0, num_preemptions 1" in text
     assert "preempt() only plans" in text
     assert "got:      the plan preempts []" in listed["a rolled-back step leaves its victim as it was"]
+
+
+class ClearsItsOutput(Scheduler):
+    """Forgets the victim's generated tokens, so it recomputes its prompt alone."""
+
+    def requeue_preempted(self, victim):
+        super().requeue_preempted(victim)
+        victim.output_token_ids.clear()
+
+
+def test_ex4_a_recomputation_is_shown_after_the_step_that_preempted():
+    _, messages = failing(4, ClearsItsOutput)
+    text = messages["a preempted request's output is unchanged"]
+    assert "step 5: decode r0 [13:14]; decode r1 [12:13]; decode r2 [13:14]; preempted [3]" in text
+    assert "got:      step 6: decode r0 [14:15]; decode r1 [13:14]; decode r2 [14:15]; prefill r3 [0:8]" in text
+    assert "keep victim.output_token_ids" in text
+
+
+def test_the_step_history_keeps_the_latest_steps_and_every_preemption():
+    done = [f"step {i}" + ("; preempted [3]" if i == 2 else "") for i in range(1, 11)]
+    assert history(done) == ["...", "step 2; preempted [3]", "...", *done[4:]]
+    assert history(done[:5]) == done[:5]
 
 
 class InsertsIntoTheQueue(Scheduler):
@@ -830,6 +891,13 @@ class TopKByTorchTopk(RowByRow):
         return set(torch.topk(probs, top_k).indices.tolist())
 
 
+class TopKKeepsTies(RowByRow):
+    """Keeps every token at least as likely as the k-th (a threshold), so a tie at the k-th keeps more than k."""
+
+    def top_k_of(self, probs, order, top_k):
+        return {t for t in order if probs[t] >= probs[order[top_k - 1]]}
+
+
 def test_ex6_a_sampler_written_from_the_contract_passes():
     assert check(6, RowByRow, quiet=True).passed
     assert check(6, TiesHighestIdFirst, quiet=True).passed
@@ -901,6 +969,13 @@ def test_ex6_a_draw_against_the_uniform_alone_is_named():
     assert "temperature 1 draws each token with its softmax probability" not in messages  # nothing is cut there
 
 
+def test_ex6_top_k_keeping_a_tie_is_named():
+    text = only_failure(6, TopKKeepsTies, "top_k keeps exactly k tokens, even among equal ones")
+    assert "expected: 2 of the 4 tokens drawn, shares [0.333, 0.667]" in text
+    assert "got:      4 of the 4 tokens drawn, shares [0.2, 0.2, 0.2, 0.4]" in text
+    assert "keep exactly top_k tokens, by rank" in text
+
+
 def test_ex6_top_p_at_an_exact_tie_is_named():
     text = only_failure(6, TopPKeepsTheTie, "a nucleus whose mass equals top_p exactly keeps no further token")
     assert "expected: 2 of the 4 tokens drawn, shares [0.5, 0.5]" in text
@@ -950,6 +1025,19 @@ class SkipsAhead(LearnerStatic):
     skip_ahead = True
 
 
+class SkipsPastBlocks(LearnerStatic):
+    """Passes a request whose blocks cannot be reserved for a later one (the padding rule still ends the batch)."""
+
+    def form_static_batch(self, output):
+        for request in self.waiting:
+            if len(output.admitted) >= self.config.max_num_seqs or not self.fits(output.admitted, request):
+                break
+            if self.allocator.can_allocate(request.request_id, self.reserve(request)):
+                self.allocator.allocate(request.request_id, self.reserve(request))
+                output.admitted.append(request)
+        return output.admitted
+
+
 class NoBatchOfOne(LearnerStatic):
     """Applies the padding rule to the first member too: a prompt longer than the budget never starts."""
 
@@ -983,6 +1071,9 @@ def test_ex7_planted_mistakes_are_named():
     assert "admitted [0, 1, 2]" in text and "reserve each member's whole future up front" in text
     _, skip = failing(7, SkipsAhead)
     assert "step 1: prefill r0 [0:4]; admitted [0]" in skip["the first request that does not fit ends the batch"]
+    text = only_failure(7, SkipsPastBlocks, "the first request whose blocks cannot be reserved ends the batch")
+    assert "expected: step 1: prefill r0 [0:8]; admitted [0]" in text and "admitted [0, 2]" in text
+    assert "whether its padded rows or its blocks" in text
     _, alone = failing(7, NoBatchOfOne)
     assert list(alone) == ["a first prompt longer than max_batch_tokens forms a batch of its own"]
     text = alone["a first prompt longer than max_batch_tokens forms a batch of its own"]

@@ -49,6 +49,13 @@ APPLY_HINT = (
 )
 
 
+LABEL_HINT = (
+    "the same chunks, labelled otherwise: a chunk is a prefill while its request is PREFILLING"
+    " (output.add_chunk(request, start, n, request.state is RequestState.PREFILLING)), and a newly admitted"
+    " request's first chunk always is; once its prompt is computed, it decodes one token a step"
+)
+
+
 class _BadPlan(Exception):
     """A plan that labkit cannot carry out: raised before the model runs, so that the step rolls back."""
 
@@ -139,13 +146,19 @@ def lockstep(
     ``rules`` are (check, hint) pairs run on each of the learner's steps first; ``after_step`` may check the
     learner's engine state after each step: a (check, hint) pair whose check returns a message, or None.
     """
+    mine, ref = engines(scheduler_cls, config, workload)
+    run_in_lockstep(mine, ref, describe(config, workload), hint, rules=rules, after_step=after_step)
+
+
+def engines(scheduler_cls: Any, config: EngineConfig, workload: Workload) -> tuple[Engine, Engine]:
+    """Two engines on the simulated model holding ``workload``'s requests: the learner's scheduler, and labkit's."""
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in workload]
     mine = Engine(SimulatedModel(), config, scheduler_cls=scheduler_cls)
     ref = Engine(SimulatedModel(), config)
     for engine in (mine, ref):
         for prompt, p in zip(prompts(workload), params, strict=True):
             engine.add_request(prompt, p)
-    run_in_lockstep(mine, ref, describe(config, workload), hint, rules=rules, after_step=after_step)
+    return mine, ref
 
 
 def run_in_lockstep(
@@ -157,19 +170,21 @@ def run_in_lockstep(
     rules: Sequence[tuple[Invariant, str]] = (),
     after_step: tuple[Callable[[Engine, StepReport], str | None], str] | None = None,
     show: Callable[[StepReport], str] = step_text,
+    num_steps: int | None = None,
 ) -> None:
     """Step two engines holding the same requests until both finish; Mismatch at the first step that differs.
 
     ``setup`` describes the run for the feedback; ``show`` is what a step is compared by (its scheduled
     work, by default). ``rules`` and ``after_step`` as in :func:`lockstep`; the config the rules see is ``mine``'s.
+    With ``num_steps``, stop after that many steps (or sooner, once both finish).
     """
     done: list[str] = []
     showing(setup)
     check_plans(mine)
-    for _ in range(MAX_STEPS):
+    for _ in range(MAX_STEPS if num_steps is None else num_steps):
         if not ref.has_unfinished() and not mine.has_unfinished():
             return
-        so_far = "\n".join([setup, *done[-6:]])
+        so_far = "\n".join([setup, *history(done)])
         showing(f"{so_far}\n(in step {len(done) + 1})")
         expected = ref.step()
         want = f"step {expected.step}: {show(expected)}"
@@ -187,13 +202,25 @@ def run_in_lockstep(
             if message is not None:
                 raise Mismatch(so_far, want, message, rule_hint)
         if show(expected) != show(got):
-            raise Mismatch(so_far, want, f"step {got.step}: {show(got)}", hint)
+            relabelled = show(expected).replace("prefill ", "decode ") == show(got).replace("prefill ", "decode ")
+            raise Mismatch(so_far, want, f"step {got.step}: {show(got)}", LABEL_HINT if relabelled else hint)
         if after_step is not None:
             message = after_step[0](mine, got)
             if message is not None:
                 raise Mismatch(so_far, want, message, after_step[1])
         done.append(want)
-    raise Mismatch(setup, "every request finishes", f"requests still unfinished after {MAX_STEPS} steps", hint)
+    if num_steps is None:
+        raise Mismatch(setup, "every request finishes", f"requests still unfinished after {MAX_STEPS} steps", hint)
+
+
+def history(done: Sequence[str]) -> list[str]:
+    """The last six steps, and every earlier one that preempted (a recomputation later is checked against it)."""
+    lines, previous = [], -1
+    for i, line in enumerate(done):
+        if i >= len(done) - 6 or "preempted" in line:
+            lines += ["..."] * (i > previous + 1) + [line]
+            previous = i
+    return lines
 
 
 def config(**overrides: Any) -> EngineConfig:

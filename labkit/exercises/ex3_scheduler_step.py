@@ -8,8 +8,17 @@ from labkit.core.config import EngineConfig
 from labkit.core.engine import Engine
 from labkit.core.report import StepReport
 from labkit.core.scheduler import Scheduler
-from labkit.exercises.engine_runs import Workload, budget_rule, config, lockstep, max_seqs_rule
-from labkit.exercises.framework import Case, Exercise, property_case
+from labkit.exercises.engine_runs import (
+    Workload,
+    budget_rule,
+    config,
+    describe,
+    engines,
+    lockstep,
+    max_seqs_rule,
+    run_in_lockstep,
+)
+from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing
 
 BUDGET_HINT = (
     "keep a budget = max_batch_tokens, give each chunk min(remaining tokens, budget) and subtract it;"
@@ -29,6 +38,13 @@ NO_ADMIT_HINT = (
     "a step that preempts admits nothing new: if output.preempted is not empty after the running requests,"
     " skip admission. The victim's blocks went back so that the running requests can grow; handing them to a"
     " newcomer would evict one request to admit another"
+)
+
+EVICT_FIRST_HINT = (
+    "a step that failed after planning a preemption may already have written other requests' keys and values"
+    " into its victims' blocks, so they must be recomputed before they run again: self.evict_first lists them,"
+    " and those not finished since are the last of self.running. Walk only the running requests before them,"
+    " then preempt each of them (self.preempt) and admit nothing in that step"
 )
 
 
@@ -82,6 +98,42 @@ def _property(cls: Any, example: Any) -> None:
         workload = [(p, n) for p, n in workload if p >= 1] or [(1, 1)]
     cfg = config(max_batch_tokens=budget, max_num_seqs=min(seqs, budget), num_blocks=blocks, chunked_prefill=chunked)
     lockstep(cls, cfg, workload, "the step above is the first one that differs from labkit's scheduler", RULES)
+
+
+def _victims_of_a_failed_step(cls: Any) -> None:
+    """The step that first preempts fails in the model and is rolled back; r0 is aborted; the victim goes anyway.
+
+    r0's blocks, given back by the abort, would let every running request grow: only ``self.evict_first``
+    says that the rolled-back step's victim must not run on blocks that step may have written into.
+    """
+    cfg, workload = config(num_blocks=9), [(6, 10), (6, 10), (6, 10)]
+    probe = engines(Scheduler, cfg, workload)[1]
+    while not (report := probe.step()).preempted:
+        pass
+    failing = report.step
+    mine, ref = engines(cls, cfg, workload)
+    setup = describe(cfg, workload)
+    run_in_lockstep(
+        mine,
+        ref,
+        setup,
+        "the step above is the first one that differs from labkit's scheduler",
+        rules=RULES,
+        num_steps=failing - 1,
+    )
+    setup += (
+        f"\nsteps 1-{failing - 1} as labkit's; step {failing} is planned (it preempts r2), then the model fails and"
+        " the engine rolls it back (scheduler.rollback(output)); then r0 is aborted"
+    )
+    showing(setup)
+    for engine in (mine, ref):
+        output = engine.scheduler.schedule()
+        engine.scheduler.rollback(output)
+        victims = [r.request_id for r in output.preempted]
+        if victims != [2]:
+            raise Mismatch(setup, f"step {failing}'s plan preempts [2]", f"it preempts {victims}", EVICT_FIRST_HINT)
+        engine.abort(0)
+    run_in_lockstep(mine, ref, setup, EVICT_FIRST_HINT, rules=RULES)
 
 
 CASES = [
@@ -157,6 +209,9 @@ CASES = [
         " free blocks for its prompt); admitting a later, smaller one instead would let it jump the queue, and"
         " a long request could wait for ever",
         num_blocks=5,
+    ),
+    Case(
+        "a rolled-back step's victims are preempted before anything runs", _victims_of_a_failed_step, EVICT_FIRST_HINT
     ),
     property_case("random workloads are scheduled like labkit's scheduler", _strategy, _property, max_examples=40),
 ]

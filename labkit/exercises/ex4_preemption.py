@@ -136,7 +136,11 @@ def _rolled_back(cls: Any) -> None:
 def _unchanged_output(cls: Any) -> None:
     workload = [(10, 16), (9, 16), (11, 16), (8, 16)]
     cfg = config(num_blocks=14, max_batch_tokens=24)
-    hint = "a recomputed request must end up with exactly the tokens it would have had without preemption"
+    hint = (
+        "a recomputed request must end up with exactly the tokens it would have had without preemption: keep"
+        " victim.output_token_ids, so that it recomputes its prompt and those tokens (request.num_tokens) and"
+        " goes on from there"
+    )
     lockstep(cls, cfg, workload, hint)
     tight = Engine(SimulatedModel(), cfg, scheduler_cls=cls)
     roomy = Engine(SimulatedModel(), config(num_blocks=64, max_batch_tokens=24))

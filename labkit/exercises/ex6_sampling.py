@@ -45,20 +45,23 @@ def _by_uniform(tokens: list[int]) -> str:
     return "uniform " + ", ".join(runs)
 
 
+def _sweep(cls: Any, probs: list[float], params: tuple[float, int, float]) -> tuple[str, list[int], list[int]]:
+    """The case's text, and the tokens the learner's sampler and labkit's draw for every uniform of the grid."""
+    from labkit.runtime.sampling import Sampler
+
+    temperature, top_k, top_p = params
+    text = (
+        f"logits = log({probs}) (softmax = those probabilities)\n"
+        f"temperature={temperature}, top_k={top_k}, top_p={top_p}; uniform swept over {len(GRID)} values in (0, 1)"
+    )
+    showing(text)
+    batch = [[math.log(p) for p in probs]] * len(GRID), [params] * len(GRID), GRID
+    return text, _draw(cls(), *batch), _draw(Sampler(), *batch)
+
+
 def distribution_case(name: str, hint: str, probs: list[float], temperature: float, top_k: int, top_p: float) -> Case:
-    logits = [math.log(p) for p in probs]
-
     def run(cls: Any) -> None:
-        from labkit.runtime.sampling import Sampler
-
-        text = (
-            f"logits = log({probs}) (softmax = those probabilities)\n"
-            f"temperature={temperature}, top_k={top_k}, top_p={top_p}; uniform swept over {len(GRID)} values in (0, 1)"
-        )
-        showing(text)
-        rows = len(GRID)
-        got = _draw(cls(), [logits] * rows, [(temperature, top_k, top_p)] * rows, GRID)
-        expected = _draw(Sampler(), [logits] * rows, [(temperature, top_k, top_p)] * rows, GRID)
+        text, got, expected = _sweep(cls, probs, (temperature, top_k, top_p))
         if got != expected:
             removed = sorted(set(got) - set(expected))
             note = f"your sampler drew token(s) {removed}, which the filters remove. " if removed else ""
@@ -76,28 +79,22 @@ def distribution_case(name: str, hint: str, probs: list[float], temperature: flo
     return Case(name, run, hint)
 
 
-def _top_p_tie(cls: Any) -> None:
-    """Four equal logits with top_p = 0.5: how many tokens the nucleus keeps when its mass meets top_p exactly.
+def tie_case(name: str, hint: str, probs: list[float], top_k: int, top_p: float) -> Case:
+    """Equal probabilities at a filter's edge: how many tokens the filter keeps, and how often each is drawn.
 
-    Each probability is exactly 0.25 in any float precision, so the mass before the third token is exactly
-    top_p, where ``>=`` and ``>`` part; which of the equal tokens stay is the sort's choice, so only how many
-    are drawn, and how often, is compared.
+    Which of the equal tokens stay is the sort's choice (labkit's keeps the lowest ids), so only the shares,
+    sorted, are compared. Equal probabilities make equal logits, exactly, in any float precision.
     """
-    from labkit.runtime.sampling import Sampler
 
-    vocab, top_p = 4, 0.5
-    text = (
-        f"logits = [0.0] * {vocab} (softmax = exactly 0.25 each)\n"
-        f"temperature=1.0, top_k=0, top_p={top_p}; uniform swept over {len(GRID)} values in (0, 1)"
-    )
-    showing(text)
-    batch = [[0.0] * vocab] * len(GRID), [(1.0, 0, top_p)] * len(GRID), GRID
-    expected = sorted(_shares(_draw(Sampler(), *batch)).values())
-    got = sorted(_shares(_draw(cls(), *batch)).values())
-    if got != expected:
-        want = f"{len(expected)} of the {vocab} tokens drawn, shares {expected}"
-        hint = RESCALE_HINT if len(got) == len(expected) else TOP_P_TIE_HINT  # the right nucleus, drawn unevenly
-        raise Mismatch(text, want, f"{len(got)} of the {vocab} tokens drawn, shares {got}", hint)
+    def run(cls: Any) -> None:
+        text, tokens, reference_tokens = _sweep(cls, probs, (1.0, top_k, top_p))
+        got, expected = sorted(_shares(tokens).values()), sorted(_shares(reference_tokens).values())
+        if got != expected:
+            want = f"{len(expected)} of the {len(probs)} tokens drawn, shares {expected}"
+            have = f"{len(got)} of the {len(probs)} tokens drawn, shares {got}"
+            raise Mismatch(text, want, have, RESCALE_HINT if len(got) == len(expected) else hint)
+
+    return Case(name, run, hint)
 
 
 def _batch_invariance(cls: Any) -> None:
@@ -194,6 +191,11 @@ PER_ROW_HINT = (
 )
 TEMPERATURE_HINT = "divide the logits by the temperature before the softmax: below 1 sharpens, above 1 flattens"
 TOP_K_HINT = "keep the top_k most likely tokens (all of them when top_k == 0), renormalise, then draw"
+TOP_K_TIE_HINT = (
+    "keep exactly top_k tokens, by rank in the sorted order (e.g. mask positions >= top_k after sorting), not"
+    " every token at least as likely as the k-th: here the second, third and fourth tokens tie at 0.2, and"
+    " top_k=2 keeps one of them (which one does not matter here)"
+)
 TOP_P_HINT = (
     "sort by probability and keep the smallest prefix whose mass reaches top_p: a token is dropped when the"
     " mass before it is already >= top_p (the most likely token always stays)"
@@ -243,7 +245,16 @@ CASES = [
     distribution_case("top_k keeps the k most likely tokens", TOP_K_HINT, [0.1, 0.4, 0.2, 0.3], 1.0, 2, 1.0),
     distribution_case("top_p keeps the smallest nucleus that reaches top_p", TOP_P_HINT, PROBS, 1.0, 0, 0.75),
     distribution_case("top_p always keeps the most likely token", TOP_P_HINT, PROBS, 1.0, 0, 0.01),
-    Case("a nucleus whose mass equals top_p exactly keeps no further token", _top_p_tie, TOP_P_TIE_HINT),
+    tie_case(
+        "top_k keeps exactly k tokens, even among equal ones", TOP_K_TIE_HINT, [0.4, 0.2, 0.2, 0.2], top_k=2, top_p=1.0
+    ),
+    tie_case(
+        "a nucleus whose mass equals top_p exactly keeps no further token",
+        TOP_P_TIE_HINT,
+        [0.25] * 4,
+        top_k=0,
+        top_p=0.5,
+    ),
     distribution_case(
         "temperature comes first: the nucleus is taken from the tempered probabilities",
         "divide the logits by the temperature before everything else: at temperature 2 the probabilities"

@@ -19,7 +19,10 @@ RESERVE_HINT = (
     "reserve each member's whole future up front: allocator.allocate(request_id,"
     " num_prompt_tokens + params.max_new_tokens - 1) (the last token is never fed back, so it needs no slot)"
 )
-ORDER_HINT = "the first waiting request that does not fit ends the batch (break): never skip ahead of it"
+ORDER_HINT = (
+    "the first waiting request that does not fit, whether its padded rows or its blocks, ends the batch (break):"
+    " never skip ahead of it to a later, smaller one"
+)
 ALONE_HINT = (
     "the padding rule applies only once the batch has a member: the first request always joins, even a prompt"
     " longer than max_batch_tokens (it has nothing to pad, and labkit prefills it in chunks of the budget);"
@@ -72,7 +75,7 @@ def _strategy() -> Any:
 
     request = st.tuples(st.integers(1, 12), st.integers(1, 10))
     return st.tuples(
-        st.lists(request, min_size=1, max_size=7), st.integers(12, 32), st.integers(1, 4), st.integers(8, 40)
+        st.lists(request, min_size=1, max_size=7), st.integers(12, 32), st.integers(1, 4), st.integers(4, 40)
     )
 
 
@@ -112,6 +115,13 @@ CASES = [
     ),
     _case(
         "the first request that does not fit ends the batch", [(4, 2), (12, 2), (3, 2)], ORDER_HINT, max_batch_tokens=16
+    ),
+    _case(
+        "the first request whose blocks cannot be reserved ends the batch",
+        [(8, 8), (8, 8), (3, 1)],
+        ORDER_HINT,
+        num_blocks=6,
+        max_batch_tokens=64,
     ),
     _case(
         "a first prompt longer than max_batch_tokens forms a batch of its own",

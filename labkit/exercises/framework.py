@@ -207,7 +207,7 @@ def run_case(case: Case, implementation: Any, *, verbose: bool = False) -> Failu
         return Failure(
             case.name,
             "mismatch",
-            _clip(mismatch.input),
+            _clip(mismatch.input, 2 * MAX_SHOWN),
             _clip(mismatch.expected),
             _clip(mismatch.got),
             mismatch.hint or case.hint,
@@ -217,7 +217,9 @@ def run_case(case: Case, implementation: Any, *, verbose: bool = False) -> Failu
         where = traceback.format_exc() if verbose else learner_frames(error)
         got = f"your code raised {type(error).__name__}: {error}"
         hint = _error_hint(error, case.hint)
-        return Failure(case.name, "error", _clip(_current_input[0]), got=_clip(got), hint=hint, traceback=where)
+        return Failure(
+            case.name, "error", _clip(_current_input[0], 2 * MAX_SHOWN), got=_clip(got), hint=hint, traceback=where
+        )
     return None
 
 
@@ -309,5 +311,18 @@ def _field(label: str, text: str) -> str:
     return f"  {label + ':':<10}{first}" + "".join(f"\n{pad}{line}" for line in rest)
 
 
-def _clip(text: str) -> str:
-    return text if len(text) <= MAX_SHOWN else text[: MAX_SHOWN - 3] + "..."
+def _clip(text: str, limit: int = MAX_SHOWN) -> str:
+    """``text`` within about ``limit`` characters: whole lines from its start and its end (a case's setup, and
+    the steps just before the one that differs), with "..." between; a single long line is cut at the end."""
+    if len(text) <= limit:
+        return text
+    lines = text.splitlines()
+    head: list[str] = []
+    while lines and sum(map(len, head)) + len(lines[0]) <= limit // 2:
+        head.append(lines.pop(0))
+    tail: list[str] = []
+    while lines and sum(map(len, head + tail)) + len(lines[-1]) <= limit:
+        tail.insert(0, lines.pop())
+    if not head or not tail:
+        return text[: limit - 3] + "..."
+    return "\n".join([*head, *(["..."] if lines else []), *tail])

@@ -69,6 +69,8 @@ BF16_POLICY = (
 )
 TARGETS = {"continuous_vs_hf": 3.0, "nano_tokens_per_s": 17_700, "decode_256_floor_ratio": 2.0}
 ASYNC = "labkit continuous, async scheduling"  # step N+1 planned and launched while step N runs
+#: How long transformers' run may go on past --budget (scripts/gpu_run.sh kills the script 90 s after it).
+OVERRUN_S = 45.0
 
 
 class Settings:
@@ -174,6 +176,10 @@ class Parts:
     def __init__(self, results: dict[str, Any], console: Console, out: Path, budget_s: float | None) -> None:
         self.results, self.console, self.out = results, console, out
         self.deadline = time.perf_counter() + budget_s if budget_s is not None else float("inf")
+
+    def seconds_left(self) -> float:
+        """Seconds until the budget is spent (negative once it is)."""
+        return self.deadline - time.perf_counter()
 
     def run(self, name: str, body: Callable[[dict[str, Any]], Any]) -> Any:
         """``body(part)`` fills ``part``; returns what it returns (None when skipped or failed)."""
@@ -368,7 +374,9 @@ def best_hf_attention() -> str:
     return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "sdpa"
 
 
-def run_transformers(model: torch.nn.Module, settings: Settings, workload: list[WorkloadRequest]) -> dict:
+def run_transformers(
+    model: torch.nn.Module, settings: Settings, workload: list[WorkloadRequest], time_limit: float | None
+) -> dict:
     prompts, wanted = requests_of(workload)
     attention = best_hf_attention()
     previous = model.config._attn_implementation
@@ -387,7 +395,7 @@ def run_transformers(model: torch.nn.Module, settings: Settings, workload: list[
             with GpuMonitor() as gpu, frozen_heap():
                 start = time.perf_counter()
                 try:
-                    outputs = hf.generate(prompts, wanted, time_limit=settings.hf_time_limit)
+                    outputs = hf.generate(prompts, wanted, time_limit=time_limit)
                     wall, tokens = time.perf_counter() - start, sum(wanted)
                     if [len(o) for o in outputs] != wanted:
                         raise RuntimeError("transformers did not generate the requested number of tokens")
@@ -413,13 +421,23 @@ def throughput(
     workload: list[WorkloadRequest],
     part: dict,
     checkpoint: Callable[[], None] = lambda: None,
+    seconds_left: Callable[[], float] = lambda: float("inf"),
 ) -> None:
-    """Each method on the same workload; ``checkpoint`` saves the results after each (a baseline may stall)."""
+    """Each method on the same workload; ``checkpoint`` saves the results after each (a baseline may stall).
+
+    transformers runs for at most ``settings.hf_time_limit`` seconds, and at most OVERRUN_S past the budget
+    (``seconds_left``), so that this part ends before an outer time limit even when it starts last and late.
+    """
+
+    def hf_time_limit() -> float | None:
+        limit = min(settings.hf_time_limit or float("inf"), max(10.0, seconds_left() + OVERRUN_S))
+        return None if limit == float("inf") else limit
+
     runs: dict[str, Callable[[], dict]] = {
         "labkit continuous": lambda: run_labkit(model, settings, workload, "continuous"),
         ASYNC: lambda: run_labkit(model, settings, workload, "continuous", async_scheduling=True),
         "labkit static": lambda: run_labkit(model, settings, workload, "static"),
-        "transformers generate_batch": lambda: run_transformers(model, settings, workload),
+        "transformers generate_batch": lambda: run_transformers(model, settings, workload, hf_time_limit()),
     }
     prompts, wanted = requests_of(workload)
     part["workload"] = {
@@ -827,9 +845,16 @@ def main() -> None:
         "bandwidth", lambda part: part.setdefault("bytes_per_s", measure_bandwidth(device, args.quick))
     )
     bandwidth = float("nan") if bandwidth is None else bandwidth
-    model = random_model(settings.model["arch"], settings.model["size"], seed=0, dtype=settings.dtype).to(device)
-    results["model"] = {**settings.model, "dtype": str(settings.dtype), "weight_bytes": weight_bytes(model),
-                        "kv_bytes_per_token": kv_bytes_per_token(model)}  # fmt: skip
+
+    def build(part: dict[str, Any]) -> torch.nn.Module:
+        model = random_model(settings.model["arch"], settings.model["size"], seed=0, dtype=settings.dtype)
+        part.update(settings.model, dtype=str(settings.dtype), weight_bytes=weight_bytes(model),
+                    kv_bytes_per_token=kv_bytes_per_token(model))  # fmt: skip
+        return model.to(device)
+
+    model = parts.run("model", build)
+    if model is None:  # nothing else can run: say so in the table
+        finish(results, bandwidth, console, args.out, ok=False)
     vocab, special = model.config.vocab_size, (0, 1, 2)
     workloads = {
         "nano-vllm": make_workload(
@@ -843,8 +868,10 @@ def main() -> None:
     }  # fmt: skip
     checkpoint = partial(save, results, args.out)
     # Most telling first: should a time limit stop the run, what it lost is the least needed.
+    left = parts.seconds_left
     parts.run(
-        "throughput nano-vllm", lambda part: throughput(model, settings, workloads["nano-vllm"], part, checkpoint)
+        "throughput nano-vllm",
+        lambda part: throughput(model, settings, workloads["nano-vllm"], part, checkpoint, left),
     )
     parts.run("decode floor", lambda part: decode_floor(model, settings, bandwidth, part))
     parts.run("traces", lambda part: record_traces(model, settings, traces, bandwidth, part))
@@ -852,16 +879,20 @@ def main() -> None:
     parts.run("kernel shapes", lambda part: kernel_shapes(model, settings, bandwidth, part))
     parts.run(
         "throughput sharegpt-like",
-        lambda part: throughput(model, settings, workloads["sharegpt-like"], part, checkpoint),
+        lambda part: throughput(model, settings, workloads["sharegpt-like"], part, checkpoint, left),
     )
+    finish(results, bandwidth, console, args.out, ok)
 
+
+def finish(results: dict[str, Any], bandwidth: float, console: Console, out: Path, ok: bool) -> None:
+    """Print the notes and the summary table last; exit 1 if a check failed."""
     table, notes = summary_table(results, bandwidth)
     for note in notes:
         console.print(note)
-    console.print(f"results: {args.out}")
+    console.print(f"results: {out}")
     console.print(table)
     if not ok:
-        console.print("[red]a correctness check failed[/red]")
+        console.print("[red]a correctness check failed, or the model could not be built[/red]")
         sys.exit(1)
 
 

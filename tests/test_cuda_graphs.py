@@ -175,8 +175,11 @@ def test_the_captured_forward_neither_syncs_nor_copies_from_the_host(
                 torch.cuda.set_sync_debug_mode("default")
 
     monkeypatch.setattr(graphs, "forward", watched)
-    if cuda:  # replays do not call the forward: capture again, watched
+    if cuda:  # replays do not call the forward: capture again, watched, into a pool of their own
+        # (a pool whose graphs are all gone, while their outputs live, cannot take new captures)
         graphs.graphs.clear()
+        graphs.outputs.clear()
+        graphs.pool = torch.cuda.graph_pool_handle()
         for size in reversed(graphs.buckets):
             graphs._capture(size)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)

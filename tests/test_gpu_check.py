@@ -135,10 +135,25 @@ def test_throughput_saves_after_each_method_so_a_stalled_baseline_loses_nothing(
 
     monkeypatch.setattr(gpu_check, "run_transformers", failing_baseline)
     workload = [SimpleNamespace(prompt=[5, 6, 7], max_new_tokens=2)]
-    gpu_check.throughput(None, None, workload, part, lambda: saved.append(sorted(part)))
+    settings = SimpleNamespace(hf_time_limit=None)
+    gpu_check.throughput(None, settings, workload, part, lambda: saved.append(sorted(part)))
     methods = ["labkit continuous", gpu_check.ASYNC, "labkit static", "transformers generate_batch"]
     assert saved == [sorted(["workload", *methods[: i + 1]]) for i in range(len(methods))]
     assert "stopped before finishing" in part["transformers generate_batch"]["error"]
+
+
+@pytest.mark.parametrize(("left", "limit"), [(float("inf"), 60.0), (100.0, 60.0), (-5.0, 40.0), (-200.0, 10.0)])
+def test_a_late_throughput_part_gives_transformers_only_what_the_budget_leaves(
+    gpu_check, monkeypatch, left: float, limit: float
+) -> None:
+    """The last part may start just before --budget runs out: transformers' run must still end before the kill."""
+    limits = []
+    monkeypatch.setattr(gpu_check, "run_labkit", lambda *args, **kwargs: {"tokens_per_s": 1.0})
+    monkeypatch.setattr(gpu_check, "run_transformers", lambda *args: limits.append(args[-1]) or {})
+    settings = SimpleNamespace(hf_time_limit=60.0)
+    workload = [SimpleNamespace(prompt=[5, 6, 7], max_new_tokens=2)]
+    gpu_check.throughput(None, settings, workload, {}, seconds_left=lambda: left)
+    assert gpu_check.OVERRUN_S == 45.0 and limits == [limit]
 
 
 def test_the_gpu_run_names_tests_that_exist() -> None:

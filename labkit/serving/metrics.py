@@ -380,10 +380,13 @@ class GpuMonitor:
 
 
 def _nvml_handle(device_index: int) -> Any:
+    """The device's NVML handle if its utilisation can be read (not under MIG, say); else None."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        return pynvml.nvmlDeviceGetHandleByIndex(device_index)
-    except Exception:  # no NVML library, no driver, or no such device: utilisation stays unknown
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+        pynvml.nvmlDeviceGetUtilizationRates(handle)
+        return handle
+    except Exception:  # no NVML library, no driver, no such device, or no reading: utilisation stays unknown
         return None

@@ -185,6 +185,118 @@ def test_an_abort_between_a_failed_step_and_its_retry():
     assert engine.requests[b].output_token_ids
 
 
+def serve_async_with_a_failure_in_resolve(where: str, fail_at_call: int | None) -> tuple[list, list, Engine]:
+    """Async scheduling, prefix caching, stop tokens: the allocator's ``where`` raises once, at that call made
+    while a step's tokens are resolved. Returns the outputs, every report's finished ids, and the engine."""
+    engine = Engine(
+        SimulatedModel(vocab_size=64),
+        EngineConfig(
+            block_size=1, num_blocks=24, max_batch_tokens=8, enable_prefix_caching=True, async_scheduling=True
+        ),
+    )
+    ids = [engine.add_request([2 + i], SamplingParams(max_new_tokens=5, stop_token_ids=(51, 60))) for i in range(4)]
+    scheduler, allocator, calls = engine.scheduler, engine.allocator, []
+    real_resolve, real_method = scheduler.resolve, getattr(allocator, where)
+
+    def resolve(*args: Any) -> Any:
+        calls.append("resolve")
+        try:
+            return real_resolve(*args)
+        finally:
+            calls.append("done")
+
+    def method(*args: Any) -> Any:
+        if calls[-1:] == ["resolve"] or calls[-1:] == [where]:  # inside resolve
+            calls.append(where)
+            if calls.count(where) - 1 == fail_at_call:
+                raise Boom(where)
+        return real_method(*args)
+
+    scheduler.resolve = resolve
+    setattr(allocator, where, method)
+    finished, failures = [], 0
+    for _ in range(100):  # a request left stuck would keep the engine unfinished for ever
+        if not engine.has_unfinished():
+            break
+        try:
+            finished += list(engine.step().finished)
+        except Boom:
+            failures += 1
+    assert not engine.has_unfinished() and failures == (fail_at_call is not None)
+    outputs = [(engine.requests[i].output_token_ids, engine.requests[i].finish_reason) for i in ids]
+    return outputs, finished, engine
+
+
+@pytest.mark.parametrize(("where", "fail_at_call"), [("free", 0), ("cache_full_blocks", 0), ("cache_full_blocks", 5)])
+def test_a_failure_while_an_async_step_is_resolved_is_resolved_again_whole(where, fail_at_call):
+    """Freeing a stopped request's blocks and indexing the blocks a step completed may raise (a plugged-in
+    allocator): resolve() does both before it writes any token, so the next step() resolves the same step
+    again, its stop tokens included, as if nothing had failed."""
+    undisturbed, finished, _ = serve_async_with_a_failure_in_resolve(where, None)
+    assert {reason for _, reason in undisturbed} == {"stop", "length"}  # both kinds of ending are exercised
+    outputs, finished_again, engine = serve_async_with_a_failure_in_resolve(where, fail_at_call)
+    assert outputs == undisturbed
+    assert sorted(finished_again) == sorted(finished) == list(range(4))  # each reported finished once
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_a_retried_priority_step_displaces_and_admits_as_the_failed_one_planned():
+    """A step that displaced a running request for a better one fails: the retry does the same, not only evicts."""
+    config = EngineConfig(block_size=4, num_blocks=8, max_batch_tokens=16, max_num_seqs=1, scheduling="priority")
+    engine = Engine(SimulatedModel(), config)
+    low = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=8, priority=1))
+    engine.step()
+    faults = Faults(rate=1.0, seed=0)
+    inject(engine, faults, "runner")
+    high = engine.add_request([8, 9], SamplingParams(max_new_tokens=2, priority=0))
+    with pytest.raises(Boom):
+        engine.step()
+    faults.rate = 0.0
+    report = engine.step()
+    assert (report.admitted, report.preempted) == ([high], [low])
+    assert [o.request_id for o in engine.generate([[10, 11]], SamplingParams(max_new_tokens=1))] == [high + 1]
+
+
+def test_a_failed_steps_victim_left_alone_by_aborts_is_evicted_then_served_again():
+    """The failed step preempted r2 for blocks; r0 and r1 are aborted before the retry, which then has nothing to
+    run but r2's eviction (r2 may run on blocks the failed step wrote into); after it, r2 is recomputed."""
+    engine = Engine(SimulatedModel(), EngineConfig(block_size=4, num_blocks=9, max_batch_tokens=32))
+    ids = [engine.add_request([2 + i] * 6, SamplingParams(max_new_tokens=10)) for i in range(3)]
+    faults = Faults(rate=0.0, seed=0)
+    inject(engine, faults, "runner")
+    while not engine.scheduler.schedule().preempted:  # up to the step that preempts r2
+        engine.scheduler.rollback()
+        engine.step()
+    engine.scheduler.rollback()
+    faults.rate = 1.0
+    with pytest.raises(Boom):
+        engine.step()
+    faults.rate = 0.0
+    engine.abort(ids[0])
+    engine.abort(ids[1])
+    report = engine.step()
+    assert (report.scheduled, report.preempted, report.finished) == ([], [ids[2]], {ids[0]: "abort", ids[1]: "abort"})
+    outputs = engine.generate([[40, 41]], SamplingParams(max_new_tokens=3))
+    assert len(outputs[0].output_token_ids) == 3
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.requests[ids[2]].output_token_ids) == 10 and engine.requests[ids[2]].metrics.num_preemptions == 1
+
+
+def test_generate_counts_a_step_that_only_preempts_as_progress(monkeypatch):
+    """A step may run nothing and only preempt (a failed step's victim evicted): the next one runs it again."""
+    engine = Engine(SimulatedModel(), EngineConfig(block_size=4, num_blocks=8))
+    real_step, calls = engine.step, []
+
+    def step() -> Any:
+        calls.append(1)
+        report = real_step()
+        return dataclasses.replace(report, scheduled=[], finished={}, preempted=[0]) if len(calls) == 1 else report
+
+    monkeypatch.setattr(engine, "step", step)
+    assert len(engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))[0].output_token_ids) == 2
+
+
 # ---------------------------------------------------------------------------------------------------- a real model
 
 

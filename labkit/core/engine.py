@@ -386,7 +386,7 @@ class Engine:
         try:
             while pending:
                 report = self.step()
-                if not (report.scheduled or report.padding or report.finished or self._ahead):
+                if not (report.scheduled or report.padding or report.finished or report.preempted or self._ahead):
                     raise RuntimeError(
                         "the engine has unfinished requests but scheduled nothing, and the next step would do the"
                         " same: no request can run (a plugged-in scheduler that plans nothing?)"

@@ -261,31 +261,50 @@ class Scheduler:
         sampling = [chunk for chunk in output.chunks if chunk.samples]
         if len(sampled) != len(sampling):
             raise ValueError(f"the step samples {len(sampling)} tokens, but the model returned {len(sampled)}")
-        kept: list[int | None] = []
-        stopped = []
-        caching, finished = self.prefix_caching, RequestState.FINISHED
+        kept: list[int | None] = []  # per sampling chunk
+        resolved: list[tuple[Request, int, int]] = []  # (request, where in its output, token) for each kept token
         for chunk, token in zip(sampling, sampled, strict=True):
             request = chunk.request
-            outputs, metrics = request.output_token_ids, request.metrics
             index = chunk.start + chunk.num_tokens - len(request.prompt_token_ids)  # where the token went
-            if index >= len(outputs) or outputs[index] != PENDING_TOKEN:  # aborted or stopped meanwhile
-                kept.append(None)
-                continue
-            kept.append(token)
-            outputs[index] = token
+            outputs = request.output_token_ids
+            pending = index < len(outputs) and outputs[index] == PENDING_TOKEN  # else aborted or stopped meanwhile
+            kept.append(token if pending else None)
+            if pending:
+                resolved.append((request, index, token))
+        # The tokens go in place first: the blocks this step completed hold the tokens it fed, some sampled by
+        # this very step. Then what may raise, under a checkpoint as in update(): indexing those blocks (prefix
+        # caching) and freeing a stopped request's blocks (a plugged-in allocator may raise). If it does, the
+        # tokens are taken out again, and the next call resolves the whole step anew.
+        running = (RequestState.PREFILLING, RequestState.DECODING)
+        self.allocator.checkpoint()
+        try:
+            for request, index, token in resolved:
+                request.output_token_ids[index] = token
+                if self.prefix_caching and request.state in running:
+                    self.allocator.cache_full_blocks(request, request.num_computed_tokens)  # the block it completed
+                if token in request.stop_ids and request.state in running:
+                    self._free_if_continuous(request)
+        except BaseException:
+            self.allocator.rollback()
+            for request, index, _ in resolved:
+                request.output_token_ids[index] = PENDING_TOKEN
+            raise
+        self.allocator.commit()
+        # Then plain assignments.
+        stopped = []
+        for request, index, token in resolved:
+            outputs, metrics = request.output_token_ids, request.metrics
             metrics.token_times[index] = now
             if index == 0:
                 metrics.first_token_time = now
-            if caching and request.state in (RequestState.PREFILLING, RequestState.DECODING):
-                self.allocator.cache_full_blocks(request, request.num_computed_tokens)  # the block it completed
             if token in request.stop_ids:
                 del outputs[index + 1 :], metrics.token_times[index + 1 :]  # the next step's token, if any
-                if request.state is finished:  # by length, at the commit of this step or the next
+                if request.state is RequestState.FINISHED:  # by length, at the commit of this step or the next
                     request.finish_reason, metrics.finish_time = "stop", now
                 else:
-                    self._finish_now(request, "stop", now)
+                    self._finish_now(request, "stop", now, freed=True)
                 stopped.append(request)
-            elif request.state is finished:  # by length: the commit could tell, but the token arrives now
+            elif request.state is RequestState.FINISHED:  # by length: the commit could tell, but the token arrives now
                 metrics.finish_time = now
         return ResolvedStep(kept, stopped)
 
@@ -375,7 +394,9 @@ class Scheduler:
         while end_of_running > end_of_runnable:  # the failed step's victims that nothing has evicted yet
             end_of_running -= 1
             self.preempt(output, running[end_of_running])
-            preempted_for_blocks = True
+            # It is first in line again, and no newcomer may pass it: nothing is admitted, unless the queue
+            # ranks requests (priority), where the check below admits only requests that outrank it.
+            preempted_for_blocks |= not self.waiting.preempts
 
         # Admit new work only when no running request had to be preempted for blocks: otherwise we would
         # evict and admit at once. (Displacing lower-ranked requests for a better one, above, is the point;
@@ -508,14 +529,23 @@ class Scheduler:
             self.running = []
 
     # ------------------------------------------------------------------ shared helpers
-    def _finish_now(self, request: Request, reason: str, now: float) -> None:
-        """Finish an unfinished request between steps: out of its queue, and (continuous) its blocks freed."""
+    def _finish_now(self, request: Request, reason: str, now: float, freed: bool = False) -> None:
+        """Finish an unfinished request between steps: (continuous) its blocks freed, unless ``freed`` already,
+        then out of its queue. The freeing comes first: a plugged-in allocator may raise, and nothing has
+        changed yet."""
         if request.state is RequestState.WAITING:
             self.waiting.remove(request)
-        elif self.config.policy == "continuous":
-            self.running.remove(request)
-            self.allocator.free(request.request_id)
+        else:
+            if not freed:
+                self._free_if_continuous(request)
+            if self.config.policy == "continuous":
+                self.running.remove(request)
         self._finish(request, reason, now)
+
+    def _free_if_continuous(self, request: Request) -> None:
+        """A running request's blocks go back when it finishes; a static batch keeps them to its end."""
+        if self.config.policy == "continuous":
+            self.allocator.free(request.request_id)
 
     def _finish(self, request: Request, reason: str, now: float) -> None:
         request.state = RequestState.FINISHED

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel
+from labkit.core.request import FINISH_REASONS, Request, RequestMetrics, RequestOutput, RequestState
 from labkit.core.scheduler import Scheduler, SchedulerOutput
 from labkit.serving.metrics import parse_targets
 from labkit.serving.online import run_workload
@@ -262,3 +263,69 @@ def test_bad_values_are_named(call, error, message):
 @pytest.mark.parametrize(("text", "seconds"), [("ttft<=5.", 5.0), ("ttft<=.5", 0.5), ("tpot<=50ms", 0.05)])
 def test_targets_take_every_way_of_writing_a_number(text, seconds):
     assert list(parse_targets(text).values()) == [pytest.approx(seconds)]
+
+
+@pytest.mark.parametrize("stop", ["ab", b"\x05\x06", 5])
+def test_stop_token_ids_must_be_a_sequence_of_ints(stop):
+    # Bytes iterate as ints, so b"\x05\x06" would otherwise pass silently as the token ids (5, 6).
+    with pytest.raises(TypeError, match="stop_token_ids must be a sequence of ints"):
+        SamplingParams(stop_token_ids=stop)
+
+
+def test_sampling_params_are_immutable_values_and_say_whether_they_are_greedy():
+    """One SamplingParams may be shared by many requests: it cannot change under them, and it is a hashable value."""
+    params = SamplingParams(temperature=0.7, top_k=5, stop_token_ids=[3, 4])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.temperature = 0.0
+    assert {params: 1}[SamplingParams(temperature=0.7, top_k=5, stop_token_ids=(3, 4))] == 1
+    assert SamplingParams().greedy is True
+    assert SamplingParams(temperature=1e-30).greedy is False
+
+
+def test_requests_are_distinct_by_identity():
+    """Two requests with the same fields are still two requests: the queues remove and look up the one they hold."""
+    params = SamplingParams()
+    first, second = Request(0, [5, 6], params), Request(0, [5, 6], params)
+    assert first != second
+    assert len({first, second}) == 2
+    assert [first, second].index(second) == 1
+
+
+def test_a_request_counts_its_prompt_and_output_tokens():
+    request = Request(0, [5, 6, 7], SamplingParams())
+    assert (request.num_prompt_tokens, request.num_tokens) == (3, 3)
+    request.output_token_ids += [8, 9]
+    assert (request.num_prompt_tokens, request.num_tokens) == (3, 5)
+    assert request.metrics.arrival_time == 0.0  # made without metrics: it arrived at the clock's origin
+    assert Request(1, [5], SamplingParams()).metrics is not request.metrics
+
+
+def test_request_tokens_is_a_slice_of_prompt_plus_output():
+    request = Request(0, [1, 2, 3], SamplingParams())
+    request.output_token_ids += [10, 11, 12, 13, 14, 15, 16]
+    everything = request.prompt_token_ids + request.output_token_ids
+    for start in range(len(everything) + 1):
+        for end in range(start, len(everything) + 1):
+            assert request.tokens(start, end) == everything[start:end], (start, end)
+            assert [request.token_at(i) for i in range(start, end)] == everything[start:end]
+
+
+def test_an_output_is_finished_once_it_has_a_finish_reason():
+    metrics = RequestMetrics(arrival_time=0.0)
+    assert not RequestOutput(0, [5], [], None, None, metrics).finished
+    for reason in FINISH_REASONS:
+        assert RequestOutput(0, [5], [6], None, reason, metrics).finished
+
+
+def test_a_request_is_finished_only_in_the_finished_state():
+    request = Request(0, [5, 6], SamplingParams())
+    for state in RequestState:
+        request.state = state
+        assert request.is_finished is (state is RequestState.FINISHED)
+
+
+def test_sampling_params_store_plain_python_numbers():
+    params = SamplingParams(temperature=np.float32(0.5), top_p=1, top_k=np.int64(3), seed=np.uint8(7))
+    assert type(params.temperature) is float and params.temperature == 0.5
+    assert type(params.top_p) is float and params.top_p == 1.0
+    assert type(params.top_k) is int and type(params.seed) is int

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
+import math
+import sys
+import time
+import types
+import weakref
 
 import pytest
 
 from labkit import Engine, EngineConfig, SimulatedModel
+from labkit.core.prefix_cache import PrefixCacheStats
 from labkit.core.report import ScheduledWork, StepReport
 from labkit.core.request import RequestMetrics, RequestOutput, SamplingParams
 from labkit.serving.metrics import (
     GpuMonitor,
+    StepStats,
     frozen_heap,
     meets_targets,
     parse_targets,
@@ -261,3 +269,176 @@ def test_gpu_utilisation_is_averaged_over_the_timed_window_only():
     gpu._samples = [(1.0, 100), (2.0, 10), (3.0, 30), (4.0, 100)]  # (perf_counter, %): build, run, run, teardown
     assert gpu.utilization_between(1.5, 3.5) == pytest.approx(20)
     assert gpu.utilization_between(5.0, 6.0) is None
+
+
+def test_two_token_request_has_a_tpot_equal_to_its_one_gap():
+    # n = 2: TPOT = (e2e - TTFT) / (2 - 1), the one inter-token gap.
+    two = make_output(4, 3, [1.5, 2.25], arrival=1.0, scheduled=1.25)
+    s = request_stats(two)
+    assert s.itl == pytest.approx((0.75,))
+    assert s.tpot == pytest.approx(s.e2e - s.ttft)
+    assert s.tpot == pytest.approx(s.itl[0])
+    assert run_metrics([two]).tpot.count == 1
+
+
+def test_to_dicts_are_plain_json_data():
+    """to_dict gives what a JSON round trip gives back (lists, not tuples): a saved run equals a fresh one."""
+    run = run_metrics([A, B, C], [make_report(1, free=6)], targets="ttft<=1s")
+    for data in (request_stats(A).to_dict(), run.to_dict()):
+        assert json.loads(json.dumps(data)) == data
+
+
+def test_stats_records_are_immutable_and_hashable():
+    """Per-request, per-step and summary records are frozen values: they can be set members and dict keys."""
+    records = [request_stats(A), step_stats(make_report(1, free=6)), summarize([1.0, 2.0])]
+    assert len(set(records)) == len(records)
+    for record in [*records, run_metrics([A, B, C])]:
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            record.count = 0
+
+
+def test_a_step_without_prefix_caching_counts_no_prefix_hits():
+    assert step_stats(make_report(1, free=6)).prefix_hit_tokens == 0
+    fields = dataclasses.asdict(step_stats(make_report(1, free=6)))
+    del fields["prefix_hit_tokens"]
+    assert StepStats(**fields).prefix_hit_tokens == 0  # a step recorded without prefix-cache numbers
+    lookups = PrefixCacheStats(queries=1, query_tokens=8, hit_tokens=4)
+    cached = dataclasses.replace(make_report(1, free=6), prefix_cache=lookups)
+    assert step_stats(cached).prefix_hit_tokens == 4
+
+
+@pytest.mark.parametrize("targets", [0.5, {"ttft": 0.5}, None])
+def test_parse_targets_refuses_what_is_not_a_string(targets):
+    with pytest.raises(TypeError, match="targets must be a string"):
+        parse_targets(targets)
+
+
+@pytest.mark.parametrize("limit", [True, "0.5", None])
+def test_a_target_that_is_not_a_number_of_seconds_is_refused(limit):
+    # True would otherwise pass as 1 s: a bool is an int to Python, but not a number of seconds.
+    with pytest.raises(TypeError, match="target ttft must be a number of seconds"):
+        run_metrics([A, B, C], targets={"ttft": limit})
+
+
+def test_a_latency_that_was_never_measured_cannot_meet_its_target():
+    # Finished without a first token (and, below, never scheduled): no TTFT or queue time to hold against a target;
+    # only TPOT may be missing, as it is for every one-token request.
+    tokenless = request_stats(make_output(5, 2, [], arrival=0.0, scheduled=0.5))
+    assert tokenless.ttft is None and tokenless.finish_reason == "length"
+    assert not meets_targets(tokenless, {"ttft": 10.0})
+    assert meets_targets(tokenless, {"e2e": 10.0, "tpot": 0.1})
+    unscheduled = request_stats(make_output(6, 2, [1.0], arrival=0.0, scheduled=None))
+    assert not meets_targets(unscheduled, {"queue_time": 10.0})
+    assert meets_targets(unscheduled, {"ttft": 10.0})
+
+
+def test_a_run_measured_later_on_the_clock_has_the_same_duration_and_throughputs():
+    # Duration is first arrival to last finish, so moving every timestamp 10 s later changes no rate.
+    def shifted(output, by=10.0):
+        m = output.metrics
+        metrics = RequestMetrics(
+            arrival_time=m.arrival_time + by,
+            first_scheduled_time=m.first_scheduled_time + by,
+            first_token_time=m.first_token_time + by,
+            finish_time=m.finish_time + by,
+            token_times=[t + by for t in m.token_times],
+            num_preemptions=m.num_preemptions,
+        )
+        return dataclasses.replace(output, metrics=metrics)
+
+    before, after = run_metrics([A, B, C]), run_metrics([shifted(A), shifted(B), shifted(C)])
+    assert after.duration == pytest.approx(before.duration)
+    assert after.request_throughput == pytest.approx(before.request_throughput)
+    assert after.output_throughput == pytest.approx(before.output_throughput)
+    assert after.total_throughput == pytest.approx(before.total_throughput)
+
+
+def test_frozen_heap_collects_the_garbage_that_exists_before_it_freezes():
+    class Node:
+        pass
+
+    node = Node()
+    node.self = node  # a reference cycle: only the cycle collector frees it
+    ref = weakref.ref(node)
+    del node
+    with frozen_heap():
+        assert ref() is None  # collected, not frozen alive for the whole timed run
+
+
+def test_gpu_utilisation_window_includes_its_ends():
+    gpu = GpuMonitor()
+    gpu._samples = [(1.0, 10), (2.0, 30), (3.0, 80)]
+    assert gpu.utilization_between(1.0, 2.0) == pytest.approx(20)
+    assert gpu.utilization_between(2.0, 2.0) == pytest.approx(30)
+    assert GpuMonitor().utilization_between(0.0, 1e9) is None  # a monitor that never sampled
+
+
+class FakeCuda:
+    """torch.cuda as GpuMonitor uses it: it records the calls and the device each names."""
+
+    def __init__(self, peak):
+        self.peak, self.calls = peak, []
+
+    def is_available(self):
+        return True
+
+    def reset_peak_memory_stats(self, device):
+        self.calls.append(("reset", device))
+
+    def synchronize(self, device):
+        self.calls.append(("synchronize", device))
+
+    def max_memory_allocated(self, device):
+        self.calls.append(("peak", device))
+        return self.peak
+
+
+class FakeNvml:
+    """pynvml: a handle per device, and a utilisation reading that changes with every sample."""
+
+    def __init__(self, working=True, readable=True):
+        self.working, self.readable, self.readings, self.handles = working, readable, [], []
+
+    def nvmlInit(self):
+        if not self.working:
+            raise OSError("NVML Shared Library Not Found")
+
+    def nvmlDeviceGetHandleByIndex(self, device):
+        self.handles.append(device)
+        return ("handle", device)
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        assert handle == ("handle", self.handles[-1])
+        if not self.readable:
+            raise OSError("Not Supported")  # as under MIG, say
+        self.readings.append(len(self.readings) % 7 * 10)
+        return types.SimpleNamespace(gpu=self.readings[-1])
+
+
+@pytest.mark.parametrize(
+    ("nvml_works", "readable", "device"), [(True, True, 1), (False, True, 1), (True, True, None), (True, False, 0)]
+)
+def test_gpu_monitor_on_a_cuda_device(monkeypatch, nvml_works, readable, device):
+    """With CUDA (faked here): peak memory from torch's allocator for the chosen device and, where NVML loads and
+    reads utilisation, the mean of the samples the background thread took every ``interval`` until the block ended."""
+    cuda, nvml = FakeCuda(peak=3 * 2**20), FakeNvml(working=nvml_works, readable=readable)
+    nvml_works = nvml_works and readable
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    expected_device = 0 if device is None else device  # by default the first GPU, torch's default device
+    monitor = GpuMonitor(interval=0.001) if device is None else GpuMonitor(device_index=device, interval=0.001)
+    with monitor as gpu:
+        deadline = time.monotonic() + 5
+        while nvml_works and len(nvml.readings) < 4 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    assert gpu.peak_memory_bytes == 3 * 2**20
+    assert cuda.calls == [("reset", expected_device), ("synchronize", expected_device), ("peak", expected_device)]
+    if nvml_works:
+        assert nvml.handles == [expected_device]
+        assert len(nvml.readings) >= 4  # sampled repeatedly, not once
+        assert not gpu._thread.is_alive() and gpu._thread.daemon  # stopped at the end; never keeps Python from exiting
+        readings = nvml.readings[1:]  # the first one only checked that utilisation can be read
+        assert gpu.utilization == pytest.approx(sum(readings) / len(readings))
+        assert gpu.utilization_between(-math.inf, math.inf) == pytest.approx(gpu.utilization)
+    else:
+        assert gpu.utilization is None

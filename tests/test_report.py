@@ -204,3 +204,52 @@ def test_block_events_carry_the_step_of_the_report_that_lists_them(policy):
     assert any(r.block_events for r in reports[1:])
     for report in reports:
         assert {event.step for event in report.block_events} <= {report.step}
+
+
+def test_a_step_with_only_the_required_fields_counts_nothing_and_loads():
+    """The optional fields default to an empty step: no blocks, no requests running or waiting, nothing in use."""
+    data = {"step": 1, "start_time": 0.0, "duration": 0.5, "scheduled": []}
+    for report in (StepReport(**data), StepReport.from_dict(data)):
+        assert (report.num_free_blocks, report.num_blocks, report.block_size) == (0, 0, 0)
+        assert (report.num_running, report.num_waiting) == (0, 0)
+        assert report.kv_usage == 0.0
+        assert StepReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("step", "3"), ("num_running", 2.5), ("num_waiting", True), ("num_blocks", "10")]
+)
+def test_a_trace_step_whose_counts_are_not_integers_is_refused(tmp_path, name, value):
+    path = write_trace(tmp_path / "bad.json", [edited(lambda step: step.update({name: value}))])
+    with pytest.raises(ValueError, match=re.escape(f"{name} must be an integer")):
+        load_trace(path)
+
+
+@pytest.mark.parametrize(("column", "name", "value"), [(1, "start", 1.5), (2, "num_tokens", "4"), (1, "start", True)])
+def test_a_scheduled_item_whose_position_is_not_an_integer_is_refused(tmp_path, column, name, value):
+    path = write_trace(tmp_path / "bad.json", [edited(lambda step: step["scheduled"][0].__setitem__(column, value))])
+    with pytest.raises(ValueError, match=re.escape(f"a scheduled item's {name} must be an integer")):
+        load_trace(path)
+
+
+def test_save_trace_takes_a_path_as_a_string(tmp_path):
+    reports = engine_reports("continuous")
+    path = save_trace(str(tmp_path / "trace.json"), reports, device="cpu")
+    assert path == tmp_path / "trace.json"
+    assert load_trace(str(path)) == (reports, {"device": "cpu"})
+
+
+@pytest.mark.parametrize(
+    ("steps", "kind"), [({}, "an object"), ("steps", "a string"), (3, "a number"), (True, "a boolean"), (None, "null")]
+)
+def test_a_refusal_names_the_json_type_it_got(tmp_path, steps, kind):
+    path = write_trace(tmp_path / "bad.json", steps)
+    with pytest.raises(ValueError, match=re.escape(f"'steps' must be a list of steps, got {kind}")):
+        load_trace(path)
+
+
+def test_a_binary_file_is_named_as_not_a_trace(tmp_path):
+    path = tmp_path / "trace.json"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    with pytest.raises(ValueError, match=r"cannot read trace .*: not a text file"):
+        load_trace(path)

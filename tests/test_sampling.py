@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from labkit import Engine, EngineConfig, SamplingParams
-from labkit.runtime.sampling import Sampler, seeded_uniform
+from labkit.runtime.sampling import Sampler, feed_back_samples, seeded_uniform
 
 torch.set_num_threads(1)
 
@@ -149,3 +149,95 @@ def test_unseeded_sampling_varies_and_stays_in_the_vocabulary(tiny_model):
     first, second = (engine.generate([[5, 6, 7]], params)[0].output_token_ids for _ in range(2))
     assert first != second
     assert all(0 <= t < model.config.vocab_size for t in first + second)
+
+
+def test_seeded_uniform_mixes_every_input_bit_into_every_output_bit():
+    """Splitmix-style mixing: flipping any one of the 64 bits of the seed or of the index flips each of the 53
+    output bits about half the time (the avalanche criterion), and each output bit is 1 about half the time. A
+    weaker mix would tie nearby seeds' or indices' draws to each other, or skew the low bits of every draw."""
+    rng = random.Random(0)
+    trials = 200
+    for flip_seed in (True, False):
+        for bit in range(64):
+            flipped = 0
+            for _ in range(trials):
+                seed, index = rng.getrandbits(64), rng.getrandbits(64)
+                a = seeded_uniform(seed, index)
+                b = seeded_uniform(seed ^ (1 << bit), index) if flip_seed else seeded_uniform(seed, index ^ (1 << bit))
+                flipped += bin(int(a * 2**53) ^ int(b * 2**53)).count("1")
+            what = "seed" if flip_seed else "index"
+            assert 0.44 < flipped / (trials * 53) < 0.56, f"flipping bit {bit} of the {what}"
+    draws = [int(seeded_uniform(7, i) * 2**53) for i in range(2000)]
+    for bit in range(53):
+        ones = sum(d >> bit & 1 for d in draws)
+        assert 0.45 < ones / len(draws) < 0.55, f"output bit {bit} is 1 in {ones} of {len(draws)} draws"
+
+
+def test_sampler_refuses_a_count_of_indices_or_params_that_differs_from_the_rows():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [4.0, 0.0, 3.9], [0.0, 0.0, 9.0]])
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(3)]
+    with pytest.raises(ValueError, match="3 logits rows, 3 params and 2 indices"):
+        Sampler()(logits, params, [0, 1])
+    with pytest.raises(ValueError, match="3 logits rows, 3 params and 4 indices"):
+        Sampler()(logits, params, [0, 1, 2, 3])
+    with pytest.raises(ValueError, match="3 logits rows, 2 params and 3 indices"):
+        Sampler()(logits, params[:2], [0, 1, 2])
+
+
+def test_each_rows_temperature_top_k_top_p_and_seed_reach_its_draw():
+    """Through the sampler's own entry point (not sample_rows): every sampled row's token is the reference
+    inverse-CDF draw with that row's parameters and its seeded uniform, greedy rows stay argmax."""
+    logits_row = [0.1, 2.0, -1.0, 1.5, 0.3, 1.9, -0.5, 0.0]
+    settings = [(1.0, 0, 1.0), (0.5, 0, 1.0), (2.0, 3, 1.0), (1.0, 0, 0.6), (0.7, 4, 0.8), (1.3, 1, 1.0), (1.0, 2, 1.0)]
+    rows, params, indices = [], [], []
+    for seed in range(40):
+        for temperature, top_k, top_p in settings:
+            rows.append(logits_row)
+            params.append(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+            indices.append(seed * 3 + top_k)
+        rows.append(logits_row)
+        params.append(SamplingParams())
+        indices.append(seed)
+    tokens = Sampler()(torch.tensor(rows), params, indices)
+    for token, p, index in zip(tokens, params, indices, strict=True):
+        if p.greedy:
+            assert token == 1
+        else:
+            u = seeded_uniform(p.seed, index)
+            assert token == expected_token(logits_row, u, p.temperature, p.top_k, p.top_p), (p, index)
+
+
+@pytest.mark.parametrize("logits", [[1.0, 3.0, 2.0], [-5.0, -1.0, -3.0], [30.0, 31.0, -30.0]])
+def test_a_temperature_at_the_bottom_of_float32_still_picks_the_most_likely_token(logits):
+    # Scaling by 1 / 1e-38 would overflow float32 (max ~3.4e38) unless the largest logit is shifted to 0 first.
+    best = max(range(len(logits)), key=logits.__getitem__)
+    for u in [i / 100 for i in range(100)]:
+        assert draw(logits, u, temperature=1e-38) == best
+        assert draw(logits, u, temperature=1e-45) == best
+
+
+def test_sample_leaves_the_tokens_on_the_logits_device():
+    """sample() moves every per-row value to the logits' device and returns the tokens there. The shape-only
+    'meta' device stands in for a GPU: a value left on the host could not index the logits there."""
+    logits = torch.zeros(3, 10, device="meta")
+    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.5, top_k=3)]
+    tokens = Sampler().sample(logits, params, [0, 1, 2])
+    assert tokens.device == logits.device
+    assert tokens.shape == (3,)
+
+
+def test_a_uniform_exactly_on_a_cumulative_boundary_picks_the_next_token():
+    # Four equal logits: probability 1/4 each, cumulative 1/4, 1/2, 3/4, 1, all exact. The token is the first whose
+    # cumulative probability *exceeds* the uniform, so u = k/4 already picks the (k+1)-th token, as u = k/4 + 1/8 does.
+    logits = [0.0, 0.0, 0.0, 0.0]
+    tokens = [draw(logits, k / 4) for k in range(4)]
+    assert sorted(tokens) == [0, 1, 2, 3]
+    assert tokens == [draw(logits, k / 4 + 1 / 8) for k in range(4)]
+
+
+def test_feed_back_replaces_only_the_negative_placeholders():
+    # Token 0 is a real token id (as is every id >= 0); only -1 - i stands for the previous step's sample i.
+    input_ids = torch.tensor([0, 5, -1, 0, -2, 7])
+    samples = torch.tensor([11, 12])
+    feed_back_samples(input_ids, samples)
+    assert input_ids.tolist() == [0, 5, 11, 0, 12, 7]

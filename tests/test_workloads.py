@@ -7,7 +7,14 @@ import math
 import numpy as np
 import pytest
 
-from labkit.serving.workloads import WORKLOADS, WorkloadRequest, arrival_times, default_corpus, make_workload
+from labkit.serving.workloads import (
+    WORKLOADS,
+    WorkloadRequest,
+    arrival_times,
+    default_corpus,
+    make_workload,
+    text_prompts,
+)
 
 VOCAB = {"vocab_size": 1000, "special_ids": (0, 1)}
 
@@ -174,3 +181,28 @@ def test_text_prompts_default_to_the_bundled_corpus():
     corpus = default_corpus()
     workload = make_workload("uniform", 5, tokenizer=CharTokenizer())
     assert all(isinstance(r.prompt, str) and r.prompt in corpus for r in workload)
+
+
+def test_short_text_prompts_start_at_random_lines():
+    # A prompt much shorter than the 64-character margin of the window still starts at a random line of the corpus,
+    # not always at the first.
+    prompts = text_prompts([8] * 20, CharTokenizer(), np.random.default_rng(0), CORPUS)
+    assert all(p.startswith("Line ") and len(p) == 8 for p in prompts)
+    assert len(set(CORPUS.find(p) for p in prompts)) > 1
+    workload = make_workload("uniform", 20, prompt_len=(4, 12), tokenizer=CharTokenizer(), corpus=CORPUS)
+    assert len({r.prompt for r in workload}) > 1
+
+
+def test_a_window_drawn_at_the_very_start_of_the_corpus_starts_there():
+    # With a corpus one character longer than the first window (int(1.5 * 20) + 64 = 94 characters for 20 tokens of
+    # one character each), the only possible start is 0: the corpus's own first line.
+    corpus = CORPUS[:95]
+    for seed in range(5):
+        (prompt,) = text_prompts([20], CharTokenizer(), np.random.default_rng(seed), corpus)
+        assert prompt == corpus[:20]
+
+
+def test_a_prompt_as_long_as_the_whole_corpus_is_the_whole_corpus():
+    corpus = CORPUS[:300]
+    (prompt,) = text_prompts([len(corpus)], CharTokenizer(), np.random.default_rng(0), corpus)
+    assert prompt == corpus

@@ -256,7 +256,7 @@ class Scheduler:
         launched as if every request went on. A request whose token is a stop token finishes here, one step
         late: what the next step computed for it is dropped, with its blocks. A token whose request was
         aborted, or stopped, meanwhile is dropped too. Returns the tokens kept (None for a dropped one) and
-        the requests that stopped.
+        the requests that stopped. If it raises, the step is left unresolved: called again, it resolves it whole.
         """
         sampling = [chunk for chunk in output.chunks if chunk.samples]
         if len(sampled) != len(sampling):
@@ -275,14 +275,14 @@ class Scheduler:
         # this very step. Then what may raise, under a checkpoint as in update(): indexing those blocks (prefix
         # caching) and freeing a stopped request's blocks (a plugged-in allocator may raise). If it does, the
         # tokens are taken out again, and the next call resolves the whole step anew.
-        running = (RequestState.PREFILLING, RequestState.DECODING)
+        in_batch = (RequestState.PREFILLING, RequestState.DECODING)  # not finished, not preempted meanwhile
         self.allocator.checkpoint()
         try:
             for request, index, token in resolved:
                 request.output_token_ids[index] = token
-                if self.prefix_caching and request.state in running:
+                if self.prefix_caching and request.state in in_batch:
                     self.allocator.cache_full_blocks(request, request.num_computed_tokens)  # the block it completed
-                if token in request.stop_ids and request.state in running:
+                if token in request.stop_ids and request.state in in_batch:
                     self._free_if_continuous(request)
         except BaseException:
             self.allocator.rollback()

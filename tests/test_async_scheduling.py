@@ -30,7 +30,7 @@ from labkit import Engine, EngineConfig, SamplingParams
 from labkit.core.blocks import BlockAllocator
 from labkit.core.config import SCHEDULING
 from labkit.core.request import PENDING_TOKEN, Request
-from labkit.core.scheduler import Scheduler
+from labkit.core.scheduler import Scheduler, SchedulerOutput
 from labkit.core.sim import SimulatedModel
 from labkit.serving.metrics import request_stats
 from tests.conftest import Boom
@@ -500,3 +500,29 @@ def test_resolve_refuses_a_wrong_number_of_tokens_before_changing_anything() -> 
     with pytest.raises(ValueError, match="the step samples 1 tokens, but the model returned 2"):
         scheduler.resolve(output, [9, 9], now=2.0)
     assert request.output_token_ids == [PENDING_TOKEN] and request.metrics.token_times == [1.0]
+
+
+class PreemptsWithoutRunning(Scheduler):
+    """From its third plan on, preempts the youngest running request and plans nothing else, once."""
+
+    def schedule_continuous(self):
+        if self.step_index >= 2 and len(self.running) > 1 and not getattr(self, "done", False):
+            self.done = True
+            output = SchedulerOutput(step=self.step_index + 1, chunks=[])
+            self.preempt(output, self.running[-1])
+            return output
+        return super().schedule_continuous()
+
+
+def test_a_plan_set_aside_unlaunched_changes_nothing():
+    """With a step ahead, an empty plan is not launched: a preemption it planned never ran, so no request is
+    marked to be evicted first, as it would be after a step that failed on the device."""
+    engine = Engine(SimulatedModel(), EngineConfig(block_size=4, num_blocks=16, async_scheduling=True),
+                    scheduler_cls=PreemptsWithoutRunning)  # fmt: skip
+    ids = [engine.add_request([5 + i] * 3, SamplingParams(max_new_tokens=8)) for i in range(2)]
+    while not getattr(engine.scheduler, "done", False):
+        engine.step()
+    assert engine.scheduler.evict_first == []
+    while engine.has_unfinished():
+        assert engine.step().preempted == []
+    assert [len(engine.requests[i].output_token_ids) for i in ids] == [8, 8]

@@ -298,7 +298,7 @@ class Engine:
             output = scheduler.schedule()
             free_in_step = self.allocator.num_free_blocks  # the step's blocks taken, none given back yet
             if output.is_empty and not keep_empty:
-                scheduler.rollback(output)
+                scheduler.rollback()  # planned, never run: nothing was written into its victims' blocks
                 return False
             start = self.clock()
             previous = self._ahead[-1].handle if self._ahead else None

@@ -429,6 +429,24 @@ def test_blockmap_refuses_a_recording_that_starts_with_cached_blocks() -> None:
         BlockMap(engine)
 
 
+def test_an_abort_between_async_steps_frees_its_blocks_in_the_report_that_lists_it() -> None:
+    """Async scheduling listed the abort a report before its freed blocks: the map drew an aborted request's blocks."""
+    config = EngineConfig(block_size=1, num_blocks=16, max_batch_tokens=4, max_num_seqs=1, async_scheduling=True)
+    engine = Engine(SimulatedModel(vocab_size=4), config)
+    blocks = BlockMap(engine)
+    victim = engine.add_request([2], SamplingParams(max_new_tokens=3))
+    engine.add_request([2], SamplingParams(max_new_tokens=1))
+    engine.step()  # launches two steps; the second grows the victim's table by a block
+    engine.abort(victim)
+    report = engine.step()
+    assert report.finished == {victim: "abort"}
+    freed = sorted(e.block_id for e in report.block_events if e.kind == "free" and e.request_id == victim)
+    assert freed == [0, 1] and report.num_free_blocks == engine.num_free_blocks == 16
+    assert f"step 2: request {victim} finished (abort) and freed blocks 0, 1" in report.describe()
+    assert all(cell.owner is None for cell in blocks.cells())
+    assert blocks.rows()[victim][1:] == ("finished (abort)", 1, 1, 0, 0)
+
+
 def test_a_recorder_keeps_to_one_run() -> None:
     first, second = make_engine(), make_engine()
     recorder = record(first)

@@ -283,6 +283,8 @@ class Engine:
     def _step_ahead(self) -> StepReport:
         """Async scheduling: keep two steps launched, then finish the older one."""
         ahead = self._ahead
+        if ahead and self._aborted:  # what the aborts gave back goes to the report that lists them, as without
+            self._note_given_back(ahead[0])  # async scheduling: not to the next step's, which may take those blocks
         while len(ahead) < 2 and (not ahead or not ahead[-1].output.is_empty) and self._launch(keep_empty=not ahead):
             pass
         return self._finish_oldest()
@@ -322,17 +324,18 @@ class Engine:
         self._ahead.popleft()
         # What stopped requests gave back goes to the next report: its step had already claimed its own blocks.
         later = self._ahead[0] if self._ahead else step
-        later.state["block_events"] += self.allocator.drain_events()
-        later.state["num_free_blocks"] = self.allocator.num_free_blocks
-        later.state["num_running"], later.state["num_waiting"] = (
-            len(self.scheduler.running),
-            len(self.scheduler.waiting),
-        )
+        self._note_given_back(later)
         if stopped and later is not step:  # reported now, not when the next step's commit finished them
             later.finished[:] = [r for r in later.finished if r not in stopped]
         finished = self._aborted + step.finished + [r for r in stopped if r not in step.finished]
         self._aborted = []
         return self._publish(self._report(step.output, kept, finished, step.start, end, step.state))
+
+    def _note_given_back(self, step: _LaunchedStep) -> None:
+        """Put the block events since the last report's, and the cache and queues as they are now, in ``step``'s."""
+        step.state["block_events"] += self.allocator.drain_events()
+        step.state["num_free_blocks"] = self.allocator.num_free_blocks
+        step.state["num_running"], step.state["num_waiting"] = len(self.scheduler.running), len(self.scheduler.waiting)
 
     def _note_first_scheduled(self, output: SchedulerOutput, start: float) -> None:
         for request in output.admitted:

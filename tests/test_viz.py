@@ -561,6 +561,24 @@ def test_timeline_spans_match_request_metrics(policy: str) -> None:
         assert len([s for s in spans if s.phase == "prefill"]) > len(engine.requests)  # chunked prefill
 
 
+def test_a_request_aborted_in_the_queue_waits_on_the_timeline_only_until_it_is_aborted() -> None:
+    """Its waiting bar ran on to the end of the run, past the mark where it finished."""
+    engine = Engine(SimulatedModel(), EngineConfig(block_size=4, num_blocks=20, max_batch_tokens=32, max_num_seqs=1))
+    recorder = record(engine)
+    engine.add_request([3, 4, 5], SamplingParams(max_new_tokens=6))
+    queued = engine.add_request([3, 4, 6], SamplingParams(max_new_tokens=6))
+    engine.step()
+    engine.step()
+    engine.abort(queued)  # never admitted: max_num_seqs=1
+    while engine.has_unfinished():
+        engine.step()
+    aborted_in = next(r for r in recorder.reports if queued in r.finished)
+    assert aborted_in is not recorder.reports[-1]
+    spans = [s[1:4] for s in request_spans(recorder) if s.request_id == queued]
+    end = aborted_in.end_time
+    assert sorted(spans) == [("finished", end, end), ("waiting", 0.0, end)]
+
+
 def test_timeline_labels_every_request_and_draws_time_gridlines() -> None:
     """Seen in a browser: plotly labelled every other request (0, 2, 4 ...) and the white background hid
     the gridlines; a bare list of reports, which knows no requests, still gets a row's height per request."""

@@ -77,14 +77,19 @@ def request_spans(source: Any) -> list[Span]:
             close(phase, request_id)
             runs[phase][request_id] = [report.start_time, report.end_time, 1, index]
 
+    def queued(request_id: int, end: float) -> None:
+        """The request leaves the queue at ``end``: its bar since it arrived, or since it was preempted."""
+        info = recorder.requests.get(request_id)
+        phase, start = since.pop(request_id, ("waiting", info.arrival_time if info else origin))
+        if end > start:
+            spans.append(Span(request_id, phase, start, end))
+
     admitted: set[int] = set()
+    finished: set[int] = set()
     for index, report in enumerate(reports):
         admitted.update(report.admitted)
         for request_id in report.admitted:
-            info = recorder.requests.get(request_id)
-            phase, start = since.pop(request_id, ("waiting", info.arrival_time if info else origin))
-            if report.start_time > start:
-                spans.append(Span(request_id, phase, start, report.start_time))
+            queued(request_id, report.start_time)
         for request_id in report.preempted:
             close("decode", request_id)
             since[request_id] = ("preempted", report.start_time)
@@ -104,13 +109,16 @@ def request_spans(source: Any) -> list[Span]:
                 extend("padding", work.request_id, report, index)
         for request_id in report.finished:
             close("decode", request_id)
+            if request_id in since or request_id not in admitted:  # aborted in the queue: it waited until then
+                queued(request_id, report.end_time)
+            finished.add(request_id)
             spans.append(Span(request_id, "finished", report.end_time, report.end_time))
     for phase, open_runs in runs.items():
         for request_id in list(open_runs):
             close(phase, request_id)
     last = reports[-1].end_time  # still queued when the recording ends
     for request_id, info in recorder.requests.items():
-        if request_id not in admitted and info.arrival_time < last:
+        if request_id not in admitted and request_id not in finished and info.arrival_time < last:
             since[request_id] = ("waiting", info.arrival_time)
     spans += [Span(rid, phase, start, last) for rid, (phase, start) in since.items() if start < last]
     return spans

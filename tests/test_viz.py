@@ -23,6 +23,7 @@ import pytest
 
 import labkit.viz.blockmap as blockmap_module
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel, StepReport
+from labkit.serving.metrics import run_metrics
 from labkit.viz import (
     BlockMap,
     LiveThroughput,
@@ -445,6 +446,31 @@ def test_an_abort_between_async_steps_frees_its_blocks_in_the_report_that_lists_
     assert f"step 2: request {victim} finished (abort) and freed blocks 0, 1" in report.describe()
     assert all(cell.owner is None for cell in blocks.cells())
     assert blocks.rows()[victim][1:] == ("finished (abort)", 1, 1, 0, 0)
+
+
+def test_a_request_that_stopped_is_not_reported_preempted_by_the_step_launched_after_it() -> None:
+    """Async scheduling planned the next step before reading a stop token, preempted the stopped request and
+    reported that after its finish: the table showed a finished request as preempted to the end of the run."""
+    config = EngineConfig(block_size=1, num_blocks=8, max_batch_tokens=16, max_num_seqs=4, async_scheduling=True)
+    engine = Engine(SimulatedModel(vocab_size=10), config)
+    recorder = record(engine)
+    blocks = BlockMap(engine)
+    for prompt, max_new_tokens, stop in (([6], 2, 9), ([9, 8, 5, 3], 5, 2), ([7], 2, 2)):
+        engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=(stop,)))
+    while engine.has_unfinished():
+        engine.step()
+    reports = recorder.reports
+    assert reports[0].finished[2] == "stop"  # its stop token is read after the next step was planned without room
+    assert not any(r.preempted for r in reports)
+    assert [(row.state, row.preemptions) for row in blocks.rows()] == [
+        ("finished (length)", 0),
+        ("finished (stop)", 0),
+        ("finished (stop)", 0),
+    ]
+    assert engine.requests[2].metrics.num_preemptions == 0
+    assert "preempted" not in {s.phase for s in request_spans(recorder)}
+    outputs = [engine.output(rid) for rid in engine.requests]
+    assert LiveThroughput(recorder).summary()[0].preemptions == run_metrics(outputs, reports).total_preemptions == 0
 
 
 def test_a_recorder_keeps_to_one_run() -> None:

@@ -325,8 +325,9 @@ class Engine:
         # What stopped requests gave back goes to the next report: its step had already claimed its own blocks.
         later = self._ahead[0] if self._ahead else step
         self._note_given_back(later)
-        if stopped and later is not step:  # reported now, not when the next step's commit finished them
+        if stopped and later is not step:  # reported now, not when the next step's commit finished or preempted them
             later.finished[:] = [r for r in later.finished if r not in stopped]
+            later.output.preempted[:] = [r for r in later.output.preempted if r not in stopped]
         finished = self._aborted + step.finished + [r for r in stopped if r not in step.finished]
         self._aborted = []
         return self._publish(self._report(step.output, kept, finished, step.start, end, step.state))

@@ -302,6 +302,8 @@ class Scheduler:
                 if request.state is RequestState.FINISHED:  # by length, at the commit of this step or the next
                     request.finish_reason, metrics.finish_time = "stop", now
                 else:
+                    if request.state is RequestState.WAITING:  # the next step preempted it, not knowing it had stopped:
+                        metrics.num_preemptions -= 1  # a request that has finished is not preempted (Engine drops it)
                     self._finish_now(request, "stop", now, freed=True)
                 stopped.append(request)
             elif request.state is RequestState.FINISHED:  # by length: the commit could tell, but the token arrives now

@@ -7,7 +7,9 @@ that timestamps its tokens is tested without installing it.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -64,6 +66,23 @@ def test_padded_generate_timestamps_each_row_by_its_own_tokens(model, greedy):
     assert [o.finish_reason for o in outputs] == ["length"] * 4
 
 
+def test_a_static_batch_stamps_each_token_between_the_step_that_computed_it_and_the_next(model):
+    """generate streams the prompt before any step runs: that call is no token, so it must not take a timestamp."""
+    starts, ends = [], []
+    before = model.register_forward_pre_hook(lambda *args: starts.append(time.perf_counter()))
+    after = model.register_forward_hook(lambda *args: ends.append(time.perf_counter()))
+    try:
+        (output,) = timed_padded_generate(model, PROMPTS[:1], [4])
+    finally:
+        before.remove()
+        after.remove()
+    times = output.metrics.token_times
+    assert len(starts) == len(ends) == len(times) == 4  # one forward pass per token, the prefill making the first
+    for step, t in enumerate(times):
+        assert ends[step] <= t
+        assert step + 1 == len(starts) or t <= starts[step + 1]
+
+
 def test_padded_generate_serves_arrivals_in_batches_of_what_has_arrived(model, greedy):
     outputs = timed_padded_generate(model, PROMPTS, WANTED, batch_size=4, arrival_times=[0.0, 0.0, 0.3, 0.3])
     assert [o.output_token_ids for o in outputs] == greedy
@@ -74,12 +93,84 @@ def test_padded_generate_serves_arrivals_in_batches_of_what_has_arrived(model, g
     assert outputs[2].metrics.first_scheduled_time == outputs[3].metrics.first_scheduled_time >= start + 0.3
 
 
+def test_padded_generate_serves_requests_in_arrival_order_not_input_order(model, greedy):
+    """The request listed second arrives first: it is served alone, before the other one has even arrived."""
+    outputs = timed_padded_generate(model, PROMPTS[:2], WANTED[:2], batch_size=2, arrival_times=[0.2, 0.0])
+    assert [o.output_token_ids for o in outputs] == greedy[:2]
+    late, early = outputs[0].metrics, outputs[1].metrics
+    assert early.first_scheduled_time < late.arrival_time <= late.first_scheduled_time
+
+
+def test_padded_generate_is_greedy_and_eos_free_whatever_the_models_generation_config_says(model, greedy, monkeypatch):
+    """Checkpoints ship sampling settings and an EOS id that generate would apply; the baseline overrides both,
+    and leaves the model's generation config as it found it."""
+    stop = greedy[1][2]
+    monkeypatch.setattr(model.generation_config, "do_sample", True)
+    monkeypatch.setattr(model.generation_config, "temperature", 5.0)  # sampled tokens would be far from greedy
+    monkeypatch.setattr(model.generation_config, "eos_token_id", stop)
+    assert padded_generate(model, PROMPTS, WANTED, batch_size=2) == greedy
+    assert model.generation_config.eos_token_id == stop
+
+
+def test_a_static_batch_ends_once_every_row_has_stopped(model, greedy):
+    """generate stops a batch whose every row reached EOS: the steps it would have wasted are not run."""
+    stop = greedy[1][2]
+    passes = []
+    handle = model.register_forward_hook(lambda *args: passes.append(1))
+    try:
+        (output,) = timed_padded_generate(model, PROMPTS[1:2], WANTED[1:2], eos_token_ids={stop})
+    finally:
+        handle.remove()
+    assert len(passes) == len(output.output_token_ids) == greedy[1].index(stop) + 1 < WANTED[1]
+
+
+def test_padded_generate_runs_past_the_default_length_of_generate(model, greedy_reference):
+    """Without its max_new_tokens, generate would stop at its default max_length of 20 tokens, prompt included."""
+    prompts, wanted = [[12] * 9, [10, 11]], [30, 4]
+    expected = [greedy_reference(model, p, n) for p, n in zip(prompts, wanted, strict=True)]
+    assert padded_generate(model, prompts, wanted) == expected
+
+
+def test_padded_generate_attends_to_prompt_tokens_equal_to_the_pad_id(model, greedy_reference):
+    """Only the left padding is masked: a real token that happens to equal pad_token_id is still read."""
+    prompts, wanted = [[0, 5, 0, 6], [7, 8, 9, 10, 11, 12]], [5, 5]
+    expected = [greedy_reference(model, p, n) for p, n in zip(prompts, wanted, strict=True)]
+    assert padded_generate(model, prompts, wanted, pad_token_id=0) == expected
+
+
 def test_padded_generate_stops_at_eos_when_asked(model, greedy):
     stop = greedy[1][2]
     (output,) = timed_padded_generate(model, PROMPTS[1:2], WANTED[1:2], eos_token_ids={stop})
     assert output.output_token_ids == greedy[1][: greedy[1].index(stop) + 1]
     assert output.finish_reason == "stop"
     assert len(output.metrics.token_times) == len(output.output_token_ids)
+
+
+def test_a_static_batch_cuts_each_row_at_its_own_eos(model, greedy):
+    """A row that stops early is filled with padding until the batch ends; its output keeps only its own tokens."""
+    stop = greedy[1][2]
+    outputs = timed_padded_generate(model, PROMPTS, WANTED, batch_size=4, eos_token_ids={stop})
+    assert any(stop not in tokens for tokens in greedy)  # some rows run on after that one stopped
+    for output, tokens in zip(outputs, greedy, strict=True):
+        cut = tokens[: tokens.index(stop) + 1] if stop in tokens else tokens
+        assert output.output_token_ids == cut
+        assert output.finish_reason == ("stop" if stop in tokens else "length")
+        assert len(output.metrics.token_times) == len(cut)
+
+
+def test_a_static_batch_of_one_serves_the_requests_one_after_another(model, greedy):
+    outputs = timed_padded_generate(model, PROMPTS, WANTED, batch_size=1)
+    assert [o.output_token_ids for o in outputs] == greedy
+    for before, after in itertools.pairwise(outputs):
+        assert before.metrics.finish_time <= after.metrics.first_scheduled_time
+
+
+def test_padded_generate_refuses_a_generate_that_does_not_stream_its_steps(model, monkeypatch):
+    """The tokens' times come from generate's streamer: without them there is nothing honest to report."""
+    generate = model.generate
+    monkeypatch.setattr(model, "generate", lambda *args, streamer, **kwargs: generate(*args, **kwargs))
+    with pytest.raises(RuntimeError, match="generate streamed 0 steps but returned 3 tokens"):
+        timed_padded_generate(model, PROMPTS[:1], WANTED[:1])
 
 
 def test_transformers_continuous_reports_token_timestamps(model, greedy):
@@ -96,6 +187,32 @@ def test_transformers_continuous_reports_token_timestamps(model, greedy):
     for output, delay in zip(online, [0.0, 0.1, 0.2, 0.3], strict=True):
         assert output.metrics.arrival_time == pytest.approx(start + delay)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_transformers_continuous_times_tokens_when_generated_not_when_collected(model, monkeypatch):
+    """transformers stamps each token as it generates it: a token's time never comes after the result carrying it
+    was handed over (stamping on collection would add the polling delay to every token)."""
+    with TransformersContinuous(model, block_size=8, num_blocks=32) as hf:
+        manager = hf._manager
+        add_request, get_result = manager.add_request, manager.get_result
+        ids, handed = [], {}  # request id -> (tokens so far, when handed over) per result
+
+        def add(*args, **kwargs):
+            ids.append(add_request(*args, **kwargs))
+            return ids[-1]
+
+        def get(*args, **kwargs):
+            result = get_result(*args, **kwargs)
+            if result is not None:
+                handed.setdefault(result.request_id, []).append((len(result.generated_tokens), time.perf_counter()))
+            return result
+
+        monkeypatch.setattr(manager, "add_request", add)
+        monkeypatch.setattr(manager, "get_result", get)
+        outputs = hf.serve(PROMPTS, WANTED)
+    for request_id, output in zip(ids, outputs, strict=True):
+        for position, t in enumerate(output.metrics.token_times):
+            assert t <= min(when for count, when in handed[request_id] if count > position)
 
 
 def test_transformers_continuous_stops_at_its_time_limit_without_finishing_the_rest(model):
@@ -187,6 +304,15 @@ def test_streamed_chunks_are_stamped_across_a_soft_reset():
     assert times == [1.0, 2.0, 3.0, 4.0, 5.0, 6.5, 6.5]
 
 
+def test_a_result_without_timestamps_is_stamped_when_it_arrives():
+    """A result whose timestamps were not recorded (None, not an empty list) still gets one time per token."""
+    from labkit.serving.baselines import _stamp_new_tokens
+
+    times = []
+    _stamp_new_tokens(times, types.SimpleNamespace(generated_tokens=[7, 8], timestamps=None), now=1.5)
+    assert times == [1.5, 1.5]
+
+
 def test_bad_baseline_inputs(model):
     with pytest.raises(ValueError, match="max_new_tokens"):
         timed_padded_generate(model, PROMPTS, WANTED[:2])
@@ -196,6 +322,11 @@ def test_bad_baseline_inputs(model):
         timed_padded_generate(model, PROMPTS, WANTED, arrival_times=[0.0, -1.0, 0.0, 0.0])
     with pytest.raises(ValueError, match="batch_size"):
         timed_padded_generate(model, PROMPTS, WANTED, batch_size=0)
+    for batch_size in (True, 2.0):  # a bool is an int to Python, not a batch size
+        with pytest.raises(TypeError, match="batch_size must be an int"):
+            timed_padded_generate(model, PROMPTS, WANTED, batch_size=batch_size)
+    with pytest.raises(ValueError, match="no prompts"):
+        timed_padded_generate(model, [], [])
     with pytest.raises(RuntimeError, match="context manager"):
         TransformersContinuous(model).serve(PROMPTS, WANTED)
 
@@ -228,6 +359,87 @@ def test_a_manager_whose_thread_died_is_noticed_at_once(model, monkeypatch):
         hf.serve(PROMPTS, WANTED)
     assert hf._manager.added == len(PROMPTS)
     assert max(hf._manager.waits) <= 0.01  # never one long block that a dead thread would never end
+
+
+class ManagerThatNeverFinishes(ManagerThatDies):
+    """A manager that runs on without a result: only a time limit ends a run on it (or, after 100 polls, its thread
+    dies, so that a run that misses its limit fails instead of hanging)."""
+
+    stopped = False
+
+    def get_result(self, timeout: float) -> None:
+        time.sleep(timeout)
+        return super().get_result(timeout)
+
+    def is_running(self) -> bool:
+        return not self.stopped and len(self.waits) < 100
+
+    def stop(self, block: bool = True, hard_stop: bool = False) -> None:
+        self.stopped = hard_stop
+
+
+def test_generate_passes_its_time_limit_on(model, monkeypatch):
+    monkeypatch.setattr(labkit.serving.baselines, "RESULT_POLL", 0.01)
+    hf = TransformersContinuous(model)
+    hf._manager = ManagerThatNeverFinishes()
+    with pytest.raises(TimeLimitReached, match="0 of 4 requests finished"):
+        hf.generate(PROMPTS, WANTED, time_limit=0.05)
+    assert hf._manager.stopped  # at once, without finishing the rest
+
+
+def test_a_time_limit_is_kept_while_later_requests_are_not_yet_due(model, monkeypatch):
+    """Waiting for the next arrival checks the limit and polls in short waits: a run cannot overshoot by a long gap."""
+    monkeypatch.setattr(labkit.serving.baselines, "RESULT_POLL", 0.01)
+    hf = TransformersContinuous(model)
+    hf._manager = ManagerThatNeverFinishes()
+    with pytest.raises(TimeLimitReached):
+        hf.serve(PROMPTS, WANTED, arrival_times=[0.0, 0.0, 0.0, 5.0], time_limit=0.05)
+    assert hf._manager.added == 3 and hf._manager.stopped  # stopped before the last request was due
+    assert max(hf._manager.waits) <= 0.01
+
+
+def test_transformers_continuous_submits_requests_in_arrival_order_not_input_order(model, greedy):
+    """The request listed second arrives first: it is submitted then, not after the other one's later arrival."""
+    with TransformersContinuous(model, block_size=8, num_blocks=32) as manager:
+        outputs = manager.serve(PROMPTS[:2], WANTED[:2], arrival_times=[0.2, 0.0])
+    assert [o.output_token_ids for o in outputs] == greedy[:2]
+    late, early = outputs[0].metrics, outputs[1].metrics
+    assert early.first_scheduled_time < late.arrival_time <= late.first_scheduled_time
+
+
+class SwitchingContext:
+    """Stand-in for transformers' manager context: entering switches the model to paged attention, for good."""
+
+    def __init__(self, model, fail):
+        self.model, self.fail = model, fail
+
+    def __enter__(self):
+        self.model.config._attn_implementation = f"paged|{self.model.config._attn_implementation}"
+        if self.fail:
+            raise RuntimeError("the manager failed to start")
+        return ManagerThatDies()
+
+    def __exit__(self, *exc_info):
+        return None
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["after the run", "after a failed start"])
+def test_the_model_gets_back_the_attention_it_had_when_the_manager_started(model, monkeypatch, fails):
+    """Whatever transformers leaves switched, the model leaves with its own attention: the one it had on entering,
+    even if it changed after the baseline was built."""
+    hf = TransformersContinuous(model)
+    monkeypatch.setattr(model, "continuous_batching_context_manager", lambda **kwargs: SwitchingContext(model, fails))
+    model.set_attn_implementation("eager")
+    try:
+        if fails:
+            with pytest.raises(RuntimeError, match="failed to start"), hf:
+                pass
+        else:
+            with hf:
+                assert model.config._attn_implementation == "paged|eager"
+        assert model.config._attn_implementation == "eager"
+    finally:
+        model.set_attn_implementation("sdpa")
 
 
 @pytest.mark.parametrize(

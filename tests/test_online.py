@@ -81,6 +81,16 @@ def test_arrival_time_is_the_scheduled_arrival_on_the_engine_clock():
     assert [o.metrics.first_scheduled_time for o in run.outputs] == [start + r.arrival_time for r in workload]
 
 
+def test_a_request_that_arrives_during_a_step_is_timed_from_its_arrival():
+    """The driver adds it only once the step in flight ends; its queue time must still count that wait."""
+    e = engine()
+    start = e.clock()
+    workload = [WorkloadRequest([5, 6, 7], 4, 0.0), WorkloadRequest([8, 9], 2, STEP / 2)]
+    late = run_workload(e, workload).outputs[1].metrics
+    assert late.arrival_time == start + STEP / 2
+    assert late.first_scheduled_time - late.arrival_time == pytest.approx(STEP / 2)  # the rest of that step
+
+
 def test_static_policy_online():
     workload = make_workload(
         "long-tail", 24, rate=20.0, prompt_len=(4, 16), output_len=(4, 8), long_output_len=30, **VOCAB
@@ -108,6 +118,19 @@ def test_refused_request_leaves_the_engine_clean():
     assert e.num_free_blocks == e.num_blocks
     report = e.step()  # the request already added was aborted: the next step says so, and nothing is left
     assert report.finished == {0: "abort"} and not e.has_unfinished()
+
+
+def test_a_failed_run_closes_its_progress_bar_before_the_error_surfaces(capsys):
+    """The bar's line is finished in the run, not whenever the traceback lets the bar go: the error prints below it."""
+    e = Engine(SimulatedModel(max_model_len=32))
+    workload = [WorkloadRequest([5] * 8, 4, 0.0), WorkloadRequest([5] * 30, 8, 0.2)]
+    try:
+        run_workload(e, workload, progress=True)
+    except ValueError:  # read while the error is in flight, as a caller printing it would
+        err = capsys.readouterr().err
+    else:
+        pytest.fail("the request too long for the model was accepted")
+    assert "serve" in err and err.endswith("\n")
 
 
 def test_bad_workloads():
@@ -157,6 +180,45 @@ def test_real_clock_sleeps_until_arrivals():
         assert o.metrics.first_scheduled_time - o.metrics.arrival_time < 0.05  # it woke up in time
 
 
+class CountingClockModel(WallClockModel):
+    """Wall time, counting every read of the clock."""
+
+    def make_runner(self, config):
+        runner = WallClockRunner()
+        runner.reads = 0
+
+        def clock():
+            runner.reads += 1
+            return time.perf_counter()
+
+        runner.clock = clock
+        return runner
+
+
+def test_an_idle_driver_sleeps_until_the_next_arrival_instead_of_polling_the_clock():
+    """Polling would burn a core that the model's own threads may need; one sleep per idle gap is enough."""
+    e = Engine(CountingClockModel())
+    run_workload(e, [WorkloadRequest([5, 6], 2, t) for t in (0.0, 0.1)])
+    assert e.runner.reads < 100  # a few per step; a polling loop reads it thousands of times in 0.1 s
+
+
 def test_clock_that_cannot_advance_is_an_error():
     with pytest.raises(RuntimeError, match="wait_until"):
         run_workload(Engine(FrozenClockModel()), [WorkloadRequest([5], 2, 0.01)])
+
+
+def test_a_progress_bar_counts_finished_requests_only_when_asked(capsys):
+    """Progress goes to stderr only on request: by default a run prints nothing beside the caller's own output."""
+    workload = [WorkloadRequest([5, 6, 7], 3, 0.01 * i) for i in range(3)]
+    run_workload(engine(), workload)
+    assert capsys.readouterr().err == ""
+    run_workload(engine(), workload, progress=True)
+    err = capsys.readouterr().err
+    assert "serve" in err and "3/3" in err  # every request counted once it finished
+
+
+@pytest.mark.parametrize("text", ["", "abc", b"abc"])
+def test_a_string_is_not_a_workload_even_an_empty_one(text):
+    """A str or bytes is a Sequence too, but of characters: it is refused by type, before its length is looked at."""
+    with pytest.raises(TypeError, match="workload must be a list of WorkloadRequest"):
+        run_workload(engine(), text)

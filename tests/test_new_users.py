@@ -92,6 +92,13 @@ def test_a_base_model_without_an_lm_head_is_refused_at_construction(model):
         Engine(base, EngineConfig(num_blocks=4, device="cpu"))
 
 
+@pytest.mark.parametrize("not_a_model", [object(), torch.nn.Linear(4, 4)], ids=["object", "plain torch module"])
+def test_what_is_not_a_transformers_model_is_refused_as_such(not_a_model):
+    """A torch module without a transformers config is named for what it is, not for the LM head it also lacks."""
+    with pytest.raises(TypeError, match="model must be a transformers PreTrainedModel"):
+        Engine(not_a_model, EngineConfig(num_blocks=4, device="cpu"))
+
+
 def test_load_of_a_folder_without_a_checkpoint_says_what_is_missing(tmp_path, model):
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -48,6 +48,22 @@ def test_packed_layers_compute_what_nn_linear_computes(arch, dtype, tolerance):
                     torch.testing.assert_close(out, want, rtol=tolerance, atol=tolerance)
 
 
+def test_steps_of_up_to_packed_max_rows_run_on_the_packed_weights(monkeypatch):
+    """PACKED_MAX_ROWS is the row count the layout is packed for: that many rows still use it, one more does not."""
+    rows_packed = []
+    linear_pointwise = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x, *args):
+        rows_packed.append(x.shape[0])
+        return linear_pointwise(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    (layer,) = PackedLinears(torch.nn.Linear(8, 4)).layers
+    for rows in (1, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1):
+        layer(torch.ones(rows, 8))
+    assert rows_packed == [1, PACKED_MAX_ROWS]
+
+
 def test_packed_weights_are_switched_on_only_inside_a_step():
     model = small_model()
     packed = PackedLinears(model)
@@ -140,7 +156,10 @@ def test_the_measurement_keeps_the_kernel_that_runs_faster(monkeypatch, slow):
 
 
 def test_a_layer_with_a_forward_of_its_own_keeps_it():
-    """A hook installed on the instance (as accelerate does) runs in engine steps and stays on the model."""
+    """A hook installed on the instance (as accelerate does) runs in engine steps and stays on the model.
+
+    Packing is forced: measured, it may lose on this CPU, and then there would be no packed layer to displace the hook.
+    """
     model = small_model()
     layer = model.model.layers[0].mlp.down_proj
     calls = []
@@ -150,14 +169,44 @@ def test_a_layer_with_a_forward_of_its_own_keeps_it():
         return forward(x)
 
     layer.forward = hooked
-    engine = Engine(model, EngineConfig(block_size=4, num_blocks=16, device="cpu"))
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=16, device="cpu", pack_weights=True))
     engine.generate([[3, 4, 5]], SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert len(calls) == 3 and layer.__dict__["forward"] is hooked  # one call per step, still installed
+
+
+def test_bfloat16_weights_are_packed_wherever_onednn_computes_them_to_bfloat16_precision():
+    """Packing bfloat16 depends on the CPU; where the kernel matches nn.Linear to bfloat16's precision, it is used
+    (the parity test above skips where it is not, so it cannot tell a refusal that should not happen)."""
+    model = small_model(dtype=torch.bfloat16)
+    try:
+        layer = PackedLinears(model).layers[0]
+    except RuntimeError:
+        pytest.skip("this CPU's oneDNN cannot pack bfloat16 weights")
+    x = torch.linspace(-1, 1, 3 * layer.module.in_features, dtype=torch.bfloat16).view(3, -1)
+    with torch.no_grad():
+        if not torch.allclose(layer(x), layer.module(x), rtol=1e-2, atol=1e-2):
+            pytest.skip("this CPU's oneDNN computes bfloat16 too far from nn.Linear")
+    assert PackedLinears.of(model) is not None
 
 
 def test_packing_is_for_cpu_models_in_float32_or_bfloat16():
     assert not PackedLinears.supported(small_model(dtype=torch.float16))
     assert not PackedLinears.supported(torch.nn.Module())  # no parameters
+
+
+def test_weights_off_the_cpu_are_not_packed():
+    """oneDNN packs host memory: a model elsewhere (here the meta device, standing in for a GPU) keeps nn.Linear."""
+    assert PackedLinears.supported(torch.nn.Linear(8, 4))
+    assert not PackedLinears.supported(torch.nn.Linear(8, 4, device="meta"))
+
+
+@pytest.mark.parametrize("lacks", ["onednn", "packed kernels"])
+def test_a_torch_without_onednn_or_its_packed_kernels_packs_nothing(monkeypatch, lacks):
+    if lacks == "onednn":
+        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    else:
+        monkeypatch.setattr(torch.ops, "mkldnn", object())  # an older torch: no _reorder_linear_weight
+    assert not PackedLinears.supported(torch.nn.Linear(8, 4))
 
 
 def test_engine_outputs_and_model_are_the_same_with_and_without_packing():
@@ -193,6 +242,26 @@ def test_a_platform_whose_onednn_refuses_runs_unpacked(monkeypatch):
     assert engine.runner.packed_linears is None
     (output,) = engine.generate([[3, 4, 5]], SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert len(output.output_token_ids) == 3
+
+
+def test_a_platform_whose_onednn_computes_wrong_results_runs_unpacked(monkeypatch):
+    """The first layer is checked against nn.Linear before anything is packed for good: a wrong kernel is not used."""
+    linear_pointwise = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: 2 * linear_pointwise(*args))
+    model = small_model()
+    assert PackedLinears.supported(model) and PackedLinears.of(model) is None
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=16, device="cpu", pack_weights=True))
+    assert engine.runner.packed_linears is None
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: torch.nn.Linear(8, 4), lambda: torch.nn.Embedding(4, 8)], ids=["one linear", "no linear"]
+)
+def test_a_model_with_a_single_linear_layer_or_none_is_packed_whole(make):
+    model = make()
+    packed = PackedLinears.of(model)
+    assert packed is not None
+    assert [layer.module for layer in packed.layers] == [m for m in model.modules() if type(m) is torch.nn.Linear]
 
 
 def test_packing_leaves_the_global_random_state_alone():

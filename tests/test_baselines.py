@@ -408,13 +408,16 @@ def test_transformers_continuous_submits_requests_in_arrival_order_not_input_ord
 
 
 class SwitchingContext:
-    """Stand-in for transformers' manager context: entering switches the model to paged attention, for good."""
+    """Stand-in for transformers' manager context: entering switches the model to paged attention, for good
+    (an attention already named paged, as labkit names it for older transformers, stays as it is)."""
 
     def __init__(self, model, fail):
         self.model, self.fail = model, fail
 
     def __enter__(self):
-        self.model.config._attn_implementation = f"paged|{self.model.config._attn_implementation}"
+        config = self.model.config
+        if not config._attn_implementation.startswith("paged|"):
+            config._attn_implementation = f"paged|{config._attn_implementation}"
         if self.fail:
             raise RuntimeError("the manager failed to start")
         return ManagerThatDies()

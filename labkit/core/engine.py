@@ -333,7 +333,11 @@ class Engine:
         return self._publish(self._report(step.output, kept, finished, step.start, end, step.state))
 
     def _note_given_back(self, step: _LaunchedStep) -> None:
-        """Put the block events since the last report's, and the cache and queues as they are now, in ``step``'s."""
+        """Bring ``step``'s report up to now: the block events since the last report, the free blocks and queues.
+
+        A report shows the cache as the learner will next see it, so blocks that a finish gave back appear in the
+        report that lists the finish, not one later.
+        """
         step.state["block_events"] += self.allocator.drain_events()
         step.state["num_free_blocks"] = self.allocator.num_free_blocks
         step.state["num_running"], step.state["num_waiting"] = len(self.scheduler.running), len(self.scheduler.waiting)

@@ -116,12 +116,18 @@ def kv_bar(report: StepReport, width: int = 8) -> str:
     return "█" * filled + "░" * (width - filled) + f" {used}/{report.num_blocks}"
 
 
-def summarize(runs: dict[str, list[StepReport]], clock: str, console: Console) -> None:
-    """One row per policy: same requests, so the tokens are equal and only time and waste differ."""
+def summarize(
+    runs: dict[str, list[StepReport]], outputs: dict[str, list[RequestOutput]], clock: str, console: Console
+) -> None:
+    """One row per policy: same requests, so the tokens are equal and only time and waste differ. Each run is
+    timed from its first request's arrival to its last finish, as ``run_metrics`` times it."""
     table = compact_table(f"continuous vs static on the same requests ({clock})")
     for column in ("policy", "steps", "time (s)", "tokens", "tokens/s", "wasted slots", "peak KV use", "vs static"):
         table.add_column(column, justify="right")
-    summaries = [summarize_run(policy, reports) for policy, reports in runs.items()]
+    summaries = [
+        summarize_run(policy, reports, arrival_times=[o.metrics.arrival_time for o in outputs[policy]])
+        for policy, reports in runs.items()
+    ]
     static_rate = next(s.tokens_per_s for s in summaries if s.label == "static")
     for summary in summaries:
         table.add_row(
@@ -186,7 +192,7 @@ def demo_main(argv: Sequence[str] | None = None) -> int:
     runs, outputs = {}, {}
     for policy in ("continuous", "static"):
         runs[policy], outputs[policy] = run_demo(setup, policy, console, args.steps)
-    summarize(runs, setup.clock, console)
+    summarize(runs, outputs, setup.clock, console)
     if setup.tokenizer is not None:
         for prompt, output in list(zip(setup.prompts, outputs["continuous"], strict=True))[:3]:
             console.print(

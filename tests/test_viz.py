@@ -675,7 +675,7 @@ def test_live_throughput_updates_and_compares_runs() -> None:
     summary = {s.label: s for s in live.summary()}
     for policy in engines:
         assert summary[policy].generated_tokens == sum(len(o.output_token_ids) for o in outputs[policy])
-        start = min(o.metrics.first_scheduled_time for o in outputs[policy])
+        start = min(o.metrics.arrival_time for o in outputs[policy])
         end = max(o.metrics.finish_time for o in outputs[policy])
         assert summary[policy].duration == pytest.approx(end - start)
     ratio = live.ratios()["continuous"]["tokens_per_s"]
@@ -686,6 +686,33 @@ def test_live_throughput_updates_and_compares_runs() -> None:
         LiveThroughput(engines, baseline="nope")
     with pytest.raises(ValueError, match="window"):
         throughput_series([], window=0)
+
+
+def test_the_throughput_summary_times_a_run_as_run_metrics_does(tmp_path: Path) -> None:
+    """The summary timed a run from its first step to its last, run_metrics from the first arrival to the last
+    finish: a request that waited before the first step, and async scheduling's last step, launched for requests
+    that had stopped, gave the widget's table another duration and tokens/s than run_metrics for the same run."""
+    config = EngineConfig(block_size=4, num_blocks=32, max_batch_tokens=32, max_num_seqs=4, async_scheduling=True)
+    engine = Engine(SimulatedModel(vocab_size=10, mean_output_len=6), config)
+    recorder = record(engine)
+    ids = [engine.add_request([3, 4, 5], SamplingParams(max_new_tokens=n)) for n in (3, 5)]
+    engine.runner.wait_until(0.25)  # the requests wait a while before the first step
+    engine.step()
+    (running,) = LiveThroughput(recorder).summary()
+    assert running.duration == pytest.approx(recorder.reports[-1].end_time)  # mid-run: up to the last step's end
+    while engine.has_unfinished():
+        engine.step()
+    reports = recorder.reports
+    assert reports[0].start_time > 0 and not reports[-1].finished and not reports[-1].scheduled  # both differences
+    metrics = run_metrics([engine.output(i) for i in ids], reports)
+    replayed = Recorder.load(recorder.save(tmp_path / "run.json"))
+    for source in (recorder, replayed):
+        (summary,) = LiveThroughput(source).summary()
+        assert summary.duration == pytest.approx(metrics.duration)
+        assert summary.tokens_per_s == pytest.approx(metrics.output_throughput)
+    # Reports alone do not say when requests arrived: the run is timed from its first step then.
+    (bare,) = LiveThroughput(list(reports)).summary()
+    assert bare.duration == pytest.approx(metrics.duration - reports[0].start_time)
 
 
 # ---------------------------------------------------------------------------------------------- display

@@ -237,7 +237,7 @@ def _json_type(value: Any) -> str:
 
 
 class RunSummary(NamedTuple):
-    """One run in numbers; ``tokens_per_s`` is generated tokens over the time from first step to last."""
+    """One run in numbers; ``tokens_per_s`` is generated tokens over ``duration`` (see :func:`run_span`)."""
 
     label: str
     device: str
@@ -252,10 +252,34 @@ class RunSummary(NamedTuple):
     wasted_slots: int
 
 
-def summarize_run(label: str, reports: Sequence[StepReport], device: str = "") -> RunSummary:
-    """The run that made ``reports`` in numbers (what LiveThroughput's table and ``labkit demo`` print)."""
+def run_span(reports: Sequence[StepReport], arrival_times: Iterable[float] = ()) -> tuple[float, float]:
+    """When the run that made ``reports`` began and ended, as ``labkit.serving.metrics.run_metrics`` times it.
+
+    It begins at the first request's arrival (``arrival_times``: the run's requests'; without them, at the
+    first step's start) and ends at the last request's finish: the end of the last step that reports a finish,
+    once nothing is left running or waiting. Not at the last step's end: under async scheduling the last step
+    can be one launched for requests that had already stopped, whose rows were all dropped. While requests are
+    still running or waiting, the run so far ends with its last step. An abort is reported by the step after it,
+    whose end stands in for the abort's time (which reports do not carry).
+    """
+    if not reports:
+        return 0.0, 0.0
+    start = min(arrival_times, default=reports[0].start_time)
+    last = reports[-1]
+    end = last.end_time
+    if not last.num_running and not last.num_waiting:
+        end = next((r.end_time for r in reversed(reports) if r.finished), end)
+    return start, end
+
+
+def summarize_run(
+    label: str, reports: Sequence[StepReport], device: str = "", arrival_times: Iterable[float] = ()
+) -> RunSummary:
+    """The run that made ``reports`` in numbers (what LiveThroughput's table and ``labkit demo`` print), timed
+    from the first arrival to the last finish, as ``run_metrics`` times it (see :func:`run_span`)."""
     generated = sum(r.num_generated_tokens for r in reports)
-    duration = reports[-1].end_time - reports[0].start_time if reports else 0.0
+    start, end = run_span(reports, arrival_times)
+    duration = end - start
     busy = [len(r.scheduled) for r in reports if r.scheduled]
     return RunSummary(
         label=label,

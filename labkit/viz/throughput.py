@@ -92,7 +92,11 @@ class LiveThroughput(Displayable):
         return {label: throughput_series(r.reports, self.window) for label, r in self.runs.items()}
 
     def summary(self) -> list[RunSummary]:
-        return [summarize_run(label, recorder.reports, recorder.device) for label, recorder in self.runs.items()]
+        """Each run in numbers, timed from its first request's arrival to its last finish, as ``run_metrics``."""
+        return [
+            summarize_run(label, r.reports, r.device, [info.arrival_time for info in r.requests.values()])
+            for label, r in self.runs.items()
+        ]
 
     def ratios(self) -> dict[str, dict[str, float]]:
         """Each other run against the baseline: its tokens/s and its duration as multiples (0 where undefined)."""

@@ -22,6 +22,7 @@ import labkit.serving.bench.cli
 import labkit.serving.bench.modes
 from labkit import Engine, EngineConfig, SamplingParams
 from labkit.serving.baselines import (
+    PAGE_SIZE,
     TimeLimitReached,
     TransformersContinuous,
     padded_generate,
@@ -244,6 +245,19 @@ def test_transformers_continuous_keeps_the_attention_it_is_given(model, greedy, 
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_transformers_continuous_takes_the_engines_settings_under_transformers_names(model):
+    """block_size, num_blocks, max_batch_tokens and max_num_seqs become page_size (block_size before 5.18),
+    num_blocks, max_batch_tokens and max_requests_per_batch, by default with EngineConfig's defaults; blocks are
+    never shared between requests, as labkit's engine has no prefix caching by default either."""
+    default = EngineConfig()
+    given = {"block_size": 8, "num_blocks": 40, "max_batch_tokens": 96, "max_num_seqs": 3}
+    runs = [({}, (default.block_size, None, default.max_batch_tokens, default.max_num_seqs)), (given, (8, 40, 96, 3))]
+    for settings, expected in runs:
+        config = TransformersContinuous(model, **settings).batching
+        assert (getattr(config, PAGE_SIZE), config.num_blocks, config.max_batch_tokens) == expected[:3]
+        assert config.max_requests_per_batch == expected[3] and config.allow_block_sharing is False
+
+
 @pytest.fixture
 def soft_resets(monkeypatch):
     """The ids of the requests transformers soft-resets (drops their cache, re-queues them with their tokens)."""
@@ -396,6 +410,90 @@ def test_a_time_limit_is_kept_while_later_requests_are_not_yet_due(model, monkey
         hf.serve(PROMPTS, WANTED, arrival_times=[0.0, 0.0, 0.0, 5.0], time_limit=0.05)
     assert hf._manager.added == 3 and hf._manager.stopped  # stopped before the last request was due
     assert max(hf._manager.waits) <= 0.01
+
+
+class ScriptedManager(ManagerThatNeverFinishes):
+    """transformers' manager on a stand-in clock: it posts scripted results, each at its time; get_result hands
+    over the next one posted by the end of its wait (moving the clock on to it), or waits its timeout out."""
+
+    def __init__(self, clock: types.SimpleNamespace, script: list[tuple[float, str, list[int], bool]]) -> None:
+        super().__init__()
+        self.clock = clock
+        self.script = sorted(script, key=lambda posted: posted[0])  # (time, request id, tokens so far, finished)
+        self.stamps: dict[str, list[float]] = {}  # each request's token times so far, as transformers records them
+
+    def get_result(self, timeout: float) -> types.SimpleNamespace | None:
+        self.waits.append(timeout)
+        if not self.script or self.script[0][0] > self.clock.now + timeout:
+            self.clock.now += timeout
+            return None
+        when, request_id, tokens, finished = self.script.pop(0)
+        self.clock.now = max(self.clock.now, when)
+        stamps = self.stamps.setdefault(request_id, [])
+        stamps += [when] * (len(tokens) - len(stamps))
+        return types.SimpleNamespace(
+            request_id=request_id,
+            error=None,
+            lifespan=(stamps[0] - 0.125, -1),  # scheduled an eighth of a second before its first token
+            generated_tokens=list(tokens),
+            timestamps=list(stamps),
+            is_finished=lambda: finished,
+        )
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """A stand-in clock for the baselines, at 0 when a run starts; only a ScriptedManager moves it on."""
+    now = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(labkit.serving.baselines, "time", types.SimpleNamespace(perf_counter=lambda: now.now))
+    monkeypatch.setattr(labkit.serving.baselines, "RESULT_POLL", 0.25)
+    return now
+
+
+def test_a_time_limit_counts_the_results_already_out_when_it_stops(model, clock):
+    """A step posts the results of all its requests at once: past the limit, those already out are taken before
+    stopping, not only the first of them. (The limit is passed only once it is past: at 1.0 s the run goes on.)"""
+    script = [(0.5, f"req_{i}", [7], False) for i in (1, 2, 3, 4)]  # the first step, well within the limit
+    script += [(1.125, f"req_{i}", [7, 8, 9], i == 1) for i in (2, 3, 4, 1)]  # the next one, just past it
+    hf = TransformersContinuous(model)
+    hf._manager = ScriptedManager(clock, script)
+    with pytest.raises(TimeLimitReached) as stopped:
+        hf.serve(PROMPTS, WANTED, time_limit=1.0)  # req_1 wants 3 tokens, the others more
+    limit = stopped.value
+    assert (limit.finished, limit.total, limit.tokens, limit.seconds) == (1, 4, 12, 1.125)
+    assert hf._manager.stopped and hf._manager.script == []
+
+
+def test_the_result_timeout_counts_from_the_last_result_not_from_the_start(model, clock, monkeypatch):
+    """A run may last longer than RESULT_TIMEOUT while results keep coming; a silence longer than it fails the run
+    at the first poll past it."""
+    monkeypatch.setattr(labkit.serving.baselines, "RESULT_TIMEOUT", 1.0)
+    tokens = [7, 8, 9, 10]
+    hf = TransformersContinuous(model)
+    hf._manager = ScriptedManager(clock, [(0.75 * n, "req_1", tokens[:n], n == 4) for n in (1, 2, 3, 4)])
+    (output,) = hf.serve(PROMPTS[:1], [4])
+    assert output.output_token_ids == tokens and output.metrics.token_times == [0.75, 1.5, 2.25, 3.0]
+    assert output.metrics.first_scheduled_time == 0.625 and output.metrics.arrival_time == 0.0
+    assert clock.now == 3.0
+
+    clock.now = 0.0
+    hf._manager = ScriptedManager(clock, [(0.75, "req_1", tokens[:1], False)])  # then nothing
+    with pytest.raises(RuntimeError, match=r"returned nothing for 1\.0 s"):
+        hf.serve(PROMPTS[:1], [4])
+    assert clock.now == 2.0  # polled every 0.25 s: 1.75 is not yet more than 1.0 s after the result at 0.75
+
+
+def test_results_that_come_while_a_later_request_is_not_yet_due_are_taken_then(model, clock):
+    """The first request finishes before the second one is due: its results are taken while waiting, and the
+    second is submitted when due, no later (the stand-in clock makes that exact)."""
+    script = [(0.5, "req_1", [7], False), (0.75, "req_1", [7, 8], True), (1.5, "req_2", [9], True)]
+    hf = TransformersContinuous(model)
+    hf._manager = ScriptedManager(clock, script)
+    first, second = hf.serve(PROMPTS[:2], [2, 1], arrival_times=[0.0, 0.875])
+    assert first.output_token_ids == [7, 8] and first.metrics.token_times == [0.5, 0.75]
+    assert second.output_token_ids == [9] and second.metrics.token_times == [1.5]
+    assert (first.metrics.arrival_time, second.metrics.arrival_time) == (0.0, 0.875)
+    assert hf._manager.waits[:4] == [0.25, 0.25, 0.25, 0.125]  # waiting for the second: none past when it is due
 
 
 def test_transformers_continuous_submits_requests_in_arrival_order_not_input_order(model, greedy):

@@ -774,3 +774,16 @@ def test_header_says_whether_labkit_runs_packed_weights(options, faster, note, m
     assert main(argv) == 0
     header = capsys.readouterr().out.splitlines()[0]
     assert header.startswith("random:tiny on cpu (") and header.endswith(f"float32, torch threads: 1{note}")
+
+
+def test_a_run_whose_last_results_are_out_by_the_time_limit_is_complete(model, clock):
+    """The results taken when the limit is found passed finish every request: the run returns its outputs, timed
+    as they came, instead of reporting a time limit that cut nothing short."""
+    script = [(0.5, f"req_{i}", [7], False) for i in (1, 2, 3, 4)]
+    script += [(1.125, f"req_{i}", [7, 8], True) for i in (1, 2, 3, 4)]
+    hf = TransformersContinuous(model)
+    hf._manager = ScriptedManager(clock, script)
+    outputs = hf.serve(PROMPTS, [2, 2, 2, 2], time_limit=1.0)
+    assert [o.output_token_ids for o in outputs] == [[7, 8]] * 4
+    assert all(o.metrics.token_times == [0.5, 1.125] for o in outputs)
+    assert not hf._manager.stopped

@@ -314,6 +314,8 @@ class TransformersContinuous:
                 return
             while (result := manager.get_result(timeout=0)) is not None:  # what came out before the limit
                 take(result)
+            if len(outputs) == len(prompts):  # every request finished in time: the run is complete
+                return
             seconds, tokens = time.perf_counter() - start, sum(map(len, times.values()))
             _stop_now(manager)  # not timed: stopping is not generating
             raise TimeLimitReached(len(outputs), len(prompts), tokens, seconds)

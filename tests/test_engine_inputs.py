@@ -6,15 +6,17 @@ Threads: torch runs on 1 thread.
 from __future__ import annotations
 
 import inspect
+import io
 
 import pytest
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from labkit import Engine, EngineConfig, SamplingParams
-from labkit.runtime.attention import ATTENTION_NAME
+from labkit.runtime import runner
+from labkit.runtime.attention import ATTENTION_NAME, paged_attention, slot_mapping
 from labkit.runtime.hf import generate_batch
-from labkit.runtime.runner import CPU_CACHE_BYTES
+from labkit.runtime.runner import CPU_CACHE_BYTES, resolve_device, resolve_dtype
 from labkit.serving.baselines import PAGE_SIZE, padded_generate, transformers_continuous
 
 torch.set_num_threads(1)
@@ -113,6 +115,51 @@ def test_engine_config_device_and_dtype_are_checked(model):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA"):
             Engine(model, EngineConfig(device="cuda", num_blocks=4))
+    with pytest.raises(ValueError, match=r"device must be 'auto', 'cpu' or 'cuda\[:N\]', got 'meta'"):
+        Engine(model, EngineConfig(device="meta", num_blocks=4))  # a torch device, not one labkit runs on
+
+
+def test_devices_and_dtypes_resolve_from_names_or_torch_objects(monkeypatch):
+    assert resolve_device(torch.device("cpu")) == resolve_device("cpu") == torch.device("cpu")
+    assert (resolve_dtype(None), resolve_dtype("float16"), resolve_dtype(torch.bfloat16)) == (
+        None,
+        torch.float16,
+        torch.bfloat16,
+    )
+    monkeypatch.setattr(runner.torch.cuda, "is_available", lambda: True)  # a machine with a GPU
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device(torch.device("cuda")) == torch.device("cuda")
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_plain_cuda_is_placed_on_the_current_cuda_device(monkeypatch):
+    monkeypatch.setattr(runner.torch.cuda, "current_device", lambda: 3)
+    assert runner._placed(torch.device("cuda")) == torch.device("cuda", 3)
+    assert runner._placed(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert runner._placed(torch.device("cpu")) == torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [{"slot_mapping_fn": 5}, {"attention_fn": "sdpa"}, {"sampler": [1, 2]}],
+    ids=["slot_mapping_fn", "attention_fn", "sampler"],
+)
+def test_a_plugged_in_part_that_is_not_callable_is_named(model, parts):
+    ((name, part),) = parts.items()
+    with pytest.raises(TypeError, match=f"{name} must be callable, got {type(part).__name__}"):
+        Engine(model, EngineConfig(num_blocks=4), **parts)
+
+
+@pytest.mark.parametrize("part", ["slot_mapping_fn", "attention_fn"])
+def test_plugged_in_attention_parts_run_on_the_torch_attention(model, monkeypatch, part):
+    parts = {part: {"slot_mapping_fn": slot_mapping, "attention_fn": paged_attention}[part]}
+    with pytest.raises(ValueError, match="need attention_backend='torch'"):
+        Engine(model, EngineConfig(num_blocks=4, attention_backend="triton"), **parts)
+    asked = []  # the backend the runner asks for: "auto" may mean Triton on a GPU
+    monkeypatch.setattr(runner, "resolve_attention_backend", lambda backend, device: asked.append(backend) or "torch")
+    Engine(model, EngineConfig(num_blocks=4))
+    Engine(model, EngineConfig(num_blocks=4), **parts)
+    assert asked == ["auto", "torch"]
 
 
 def test_runner_reports_what_the_engine_needs(model):
@@ -124,6 +171,47 @@ def test_runner_reports_what_the_engine_needs(model):
     assert runner.device.type == expected_device
     if expected_device == "cpu":
         assert engine.device_name.startswith("cpu (")
+
+
+def test_the_eos_tokens_come_from_the_generation_config_else_from_the_model_config(model):
+    saved = model.generation_config.eos_token_id, model.config.eos_token_id
+    try:
+        model.generation_config.eos_token_id = [3, 4]
+        assert Engine(model, EngineConfig(num_blocks=4)).runner.eos_token_ids == frozenset({3, 4})
+        model.generation_config.eos_token_id = None
+        assert Engine(model, EngineConfig(num_blocks=4)).runner.eos_token_ids == frozenset({2})  # the model's own
+        model.config.eos_token_id = None
+        assert Engine(model, EngineConfig(num_blocks=4)).runner.eos_token_ids == frozenset()
+    finally:
+        model.generation_config.eos_token_id, model.config.eos_token_id = saved
+
+
+def test_the_device_is_named_by_the_gpu_or_the_cpu_model(monkeypatch):
+    monkeypatch.setattr(runner.torch.cuda, "get_device_name", lambda device: "NVIDIA H200")
+    assert runner.device_name(torch.device("cuda")) == "NVIDIA H200"
+    cpuinfo = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) CPU: 8 cores @ 2.10GHz\n"
+    monkeypatch.setattr(runner, "open", lambda path: io.StringIO(cpuinfo), raising=False)
+    assert runner.device_name(torch.device("cpu")) == "cpu (Intel(R) Xeon(R) CPU: 8 cores @ 2.10GHz)"
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "processor", "machine", "expected"),
+    [
+        ("processor\t: 0\nCPU implementer\t: 0x41\n", "", "aarch64", "aarch64"),  # an ARM cpuinfo names no model
+        (None, "Intel64 Family 6", "x86_64", "Intel64 Family 6"),  # no /proc/cpuinfo (macOS, Windows)
+        (None, "", "", "unknown"),
+    ],
+)
+def test_a_cpu_without_a_model_name_is_named_by_the_platform(monkeypatch, cpuinfo, processor, machine, expected):
+    def fake_open(path):
+        if cpuinfo is None:
+            raise FileNotFoundError(path)
+        return io.StringIO(cpuinfo)
+
+    monkeypatch.setattr(runner, "open", fake_open, raising=False)
+    monkeypatch.setattr(runner.platform, "processor", lambda: processor)
+    monkeypatch.setattr(runner.platform, "machine", lambda: machine)
+    assert runner.device_name(torch.device("cpu")) == f"cpu ({expected})"
 
 
 def test_num_blocks_none_uses_the_documented_cpu_budget(model):
@@ -302,9 +390,9 @@ def test_baselines_generate_what_the_engine_generates(model, greedy_reference):
         padded_generate(model, prompts, wanted[:2])
 
 
-@pytest.mark.parametrize("pad_token_id", [-1, 5000])
-def test_a_pad_token_id_outside_the_vocabulary_pads_with_a_valid_one(model, greedy_reference, pad_token_id):
-    """Some configs carry pad_token_id = -1; a static batch's padding rows must still embed."""
+@pytest.mark.parametrize("pad_token_id", [-1, 1024, 5000, None])
+def test_a_pad_token_id_outside_the_vocabulary_or_unset_pads_with_a_valid_one(model, greedy_reference, pad_token_id):
+    """Some configs carry pad_token_id = -1, or none; a static batch's padding rows must still embed."""
     original, model.config.pad_token_id = model.config.pad_token_id, pad_token_id
     try:
         engine = Engine(model, EngineConfig(block_size=4, num_blocks=32, policy="static"))
@@ -312,10 +400,20 @@ def test_a_pad_token_id_outside_the_vocabulary_pads_with_a_valid_one(model, gree
         outputs = engine.generate([[5, 6, 7], [8, 9]], params)
     finally:
         model.config.pad_token_id = original
+    assert engine.runner.pad_token_id == 0
     assert [o.output_token_ids for o in outputs] == [
         greedy_reference(model, [5, 6, 7], 2),
         greedy_reference(model, [8, 9], 6),
     ]
+
+
+@pytest.mark.parametrize("pad_token_id", [0, 1023])
+def test_a_pad_token_id_inside_the_vocabulary_is_the_padding(model, pad_token_id):
+    original, model.config.pad_token_id = model.config.pad_token_id, pad_token_id
+    try:
+        assert Engine(model, EngineConfig(num_blocks=4)).runner.pad_token_id == pad_token_id
+    finally:
+        model.config.pad_token_id = original
 
 
 def test_static_dead_rows_on_a_block_boundary(model, greedy_reference):

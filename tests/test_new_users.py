@@ -10,17 +10,24 @@ import json
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from transformers import GenerationConfig, LlamaModel
+from transformers import GenerationConfig, GPT2Config, LlamaConfig, LlamaModel
 
 import labkit
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel, generate_batch, load_trace
 from labkit.cli import main
 from labkit.runtime.hf import _sampling_params
-from labkit.runtime.runner import CPU_CACHE_BYTES, blocks_beside_gather, cpu_cache_blocks, kv_bytes_per_block
+from labkit.runtime.runner import (
+    CPU_CACHE_BYTES,
+    blocks_beside_gather,
+    cpu_cache_blocks,
+    kv_bytes_per_block,
+    kv_layout,
+)
 from labkit.viz import BlockMap, LiveThroughput, Recorder, Timeline, record
 
 torch.set_num_threads(1)
@@ -75,6 +82,19 @@ def test_a_second_engine_may_not_convert_a_model_another_engine_runs(tiny_model,
     assert len(half.generate([[5, 6, 7]], GREEDY)[0].output_token_ids) == 6
 
 
+def test_an_engine_dropped_in_a_reference_cycle_frees_its_model_before_the_collector_runs(tiny_model):
+    model = tiny_model("llama", max_position_embeddings=128)
+    first = Engine(model, EngineConfig(block_size=8, num_blocks=16, device="cpu"))
+    first.step_listeners.append(lambda report, engine=first: engine.num_free_blocks)  # it holds its engine: a cycle
+    gc.disable()  # the cycle stays until something collects it
+    try:
+        del first
+        half = Engine(model, EngineConfig(block_size=8, num_blocks=16, device="cpu", dtype="bfloat16"))
+    finally:
+        gc.enable()
+    assert next(model.parameters()).dtype == torch.bfloat16 == half.runner.cache.data.dtype
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_second_engine_may_not_move_a_model_another_engine_runs(tiny_model, greedy_reference):
     model = tiny_model("llama", max_position_embeddings=128)
@@ -92,7 +112,22 @@ def test_a_base_model_without_an_lm_head_is_refused_at_construction(model):
         Engine(base, EngineConfig(num_blocks=4, device="cpu"))
 
 
-@pytest.mark.parametrize("not_a_model", [object(), torch.nn.Linear(4, 4)], ids=["object", "plain torch module"])
+def test_a_torch_module_with_a_config_but_no_lm_head_method_is_refused_as_a_base_model(model):
+    module = torch.nn.Linear(4, 4)
+    module.config = model.config
+    with pytest.raises(TypeError, match=r"Linear has no LM head.*AutoModelForCausalLM"):
+        Engine(module, EngineConfig(num_blocks=4, device="cpu"))
+
+
+@pytest.mark.parametrize(
+    "not_a_model",
+    [
+        object(),
+        torch.nn.Linear(4, 4),
+        SimpleNamespace(config=None, get_output_embeddings=lambda: torch.nn.Linear(4, 4)),
+    ],
+    ids=["object", "plain torch module", "a model's attributes on no torch module"],
+)
 def test_what_is_not_a_transformers_model_is_refused_as_such(not_a_model):
     """A torch module without a transformers config is named for what it is, not for the LM head it also lacks."""
     with pytest.raises(TypeError, match="model must be a transformers PreTrainedModel"):
@@ -326,7 +361,7 @@ def test_demo_and_bench_give_one_message_for_a_bad_request_count(capsys, count):
 # ---------------------------------------------------------------------------------------------- the GPU budget
 @pytest.mark.parametrize(
     ("budget_blocks", "max_num_seqs", "layers", "per_request"),
-    [(1000, 4, 32, 100), (3225, 64, 32, 8192), (100, 64, 2, 8192), (10, 1, 1, 4), (1, 64, 32, 8192)],
+    [(1000, 4, 32, 100), (3225, 64, 32, 8192), (100, 64, 2, 8192), (10, 1, 1, 4), (6, 1, 1, 4), (1, 64, 32, 8192)],
 )
 def test_a_gpu_cache_beside_the_torch_attentions_copy_takes_what_the_copy_leaves(
     budget_blocks, max_num_seqs, layers, per_request
@@ -344,6 +379,14 @@ def test_a_gpu_cache_beside_the_torch_attentions_copy_takes_what_the_copy_leaves
 
 
 # ---------------------------------------------------------------------------------------------- the CPU budget
+def test_the_kv_layout_is_read_from_the_config_or_derived_where_it_is_not_named():
+    named = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=3)
+    assert kv_layout(SimpleNamespace(config=named)) == (3, 2, 32)  # head_dim need not be hidden_size / heads
+    # GPT-2's config names neither: one KV head per query head, each hidden_size / heads wide.
+    derived = GPT2Config(n_embd=96, n_head=4, n_layer=5)
+    assert kv_layout(SimpleNamespace(config=derived)) == (5, 4, 24)
+
+
 def test_num_blocks_none_never_exceeds_the_cpu_budget(model):
     per_token = kv_bytes_per_block(model, 1)
     largest = CPU_CACHE_BYTES // per_token  # the biggest block that still fits, once

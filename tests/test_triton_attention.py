@@ -328,6 +328,47 @@ def test_backend_and_graph_options_are_checked(monkeypatch: pytest.MonkeyPatch) 
         resolve_attention_backend("triton", cpu)
 
 
+def test_cuda_graphs_default_to_on_only_for_triton_on_cuda_and_asking_for_them_needs_triton() -> None:
+    from labkit.runtime.runner import resolve_use_cuda_graph
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert resolve_use_cuda_graph(None, "triton", gpu) is True
+    assert resolve_use_cuda_graph(None, "torch", gpu) is False
+    assert resolve_use_cuda_graph(None, "triton", cpu) is False
+    assert resolve_use_cuda_graph(True, "triton", cpu) is True  # replays simulated under the interpreter
+    assert resolve_use_cuda_graph(False, "torch", gpu) is False
+
+
+def test_triton_needs_its_package_and_on_a_cpu_an_interpreter_that_runs_the_kernels(monkeypatch) -> None:
+    import importlib.metadata
+
+    from labkit.runtime import runner
+
+    def installed(version):
+        real_version = importlib.metadata.version
+        monkeypatch.setattr(
+            runner.importlib.metadata, "version", lambda name: version if name == "triton" else real_version(name)
+        )
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(runner.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    installed("3.7.0")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert runner.resolve_attention_backend("triton", gpu) == "triton"  # a GPU needs no interpreter
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert runner.resolve_attention_backend("triton", cpu) == "triton"
+    installed("3.6.0")
+    with pytest.raises(ValueError, match=r"needs triton>=3\.7: the interpreter of triton 3\.6\.0 cannot run"):
+        runner.resolve_attention_backend("triton", cpu)
+    real_find_spec = runner.importlib.util.find_spec
+    monkeypatch.setattr(
+        runner.importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real_find_spec(name, *a)
+    )
+    assert runner.resolve_attention_backend("auto", gpu) == "torch"
+    with pytest.raises(ValueError, match="needs the triton package"):
+        runner.resolve_attention_backend("triton", gpu)
+
+
 @pytest.mark.parametrize(
     ("version", "capability", "expected"),
     [("3.6.0", (9, 0), "triton"), ("3.6.0", (7, 5), "triton"), ("3.5.1", (9, 0), "torch"), ("3.6.0", (7, 0), "torch")],

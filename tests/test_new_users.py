@@ -66,7 +66,7 @@ print("ok")
 def test_a_second_engine_may_not_convert_a_model_another_engine_runs(tiny_model, greedy_reference):
     model = tiny_model("llama", max_position_embeddings=128)
     first = Engine(model, EngineConfig(block_size=8, num_blocks=16, device="cpu"))
-    record(first)  # a recorder and its engine point at each other: only the cycle collector frees them
+    record(first)  # a recorder holds its engine weakly: it keeps no engine alive
     with pytest.raises(ValueError, match=r"another Engine as float32 on cpu; an Engine with bfloat16 on cpu"):
         Engine(model, EngineConfig(block_size=8, num_blocks=16, device="cpu", dtype="bfloat16"))
     assert next(model.parameters()).dtype == torch.float32  # refused before anything changed

@@ -419,7 +419,7 @@ def _check_conversion(model: Any, device: torch.device, dtype: torch.dtype | Non
     weight = next(model.parameters())
     if _placed(device) == weight.device and dtype in (None, weight.dtype):
         return  # nothing changes
-    gc.collect()  # an engine that is gone but sits in a reference cycle (a recorder) must not count
+    gc.collect()  # an engine that is gone but sits in a reference cycle (a listener holding it) must not count
     if _RUNNERS.get(model):
         wanted = f"{dtype or weight.dtype} on {device}".replace("torch.", "")
         current = f"{weight.dtype} on {weight.device}".replace("torch.", "")

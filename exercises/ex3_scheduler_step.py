@@ -36,7 +36,8 @@ class MyScheduler(Scheduler):
            ``config.chunked_prefill`` a request whose remaining tokens do not fit is skipped this step. Grow
            its blocks with ``allocator.allocate(request_id, num_computed_tokens + n)``; while it needs more
            blocks than are free, preempt the youngest running request not yet preempted
-           (``self.preempt(output, victim)``), and stop if that was this request itself.
+           (``self.preempt(output, victim)``; its blocks are free at once). If that victim was this request
+           itself, it gets no chunk: stop the walk there (every younger request is preempted already).
         2. Then, unless this step preempted (the victims' blocks are for the running requests, not for a
            newcomer), admit waiting requests from the front, in order, while the budget is positive,
            ``len(self.running) + len(output.admitted) < config.max_num_seqs``, the first chunk fits and the
@@ -44,11 +45,13 @@ class MyScheduler(Scheduler):
            (the whole ``num_tokens`` without chunked prefill): a request preempted earlier recomputes its
            prompt and the tokens it generated, not just its prompt. Allocate, then
            ``output.admitted.append(request)`` and ``output.add_chunk(request, 0, n, True)``.
-        The chunks never total more than ``config.max_batch_tokens``.
+        The chunks never total more than ``config.max_batch_tokens``, and none is empty (0 tokens).
 
         A step that fails after planning (the model raises) is rolled back, but it may already have written
-        keys and values into the blocks its victims gave up: ``self.evict_first`` lists those victims, and
-        the ones not finished since are the last of ``self.running``. In step 1, walk only the running
-        requests before them; after it, preempt each of them not yet preempted; such a step admits nothing.
+        keys and values into the blocks its victims gave up: ``self.evict_first`` lists those victims (the
+        ``Request`` objects; empty unless the last plan was rolled back), and the ones not finished since
+        (``request.state is not RequestState.FINISHED``) are the last of ``self.running``. In step 1, walk only
+        the running requests before them; after it, preempt each of them not yet preempted; such a step admits
+        nothing.
         """
         raise NotImplementedError("Exercise 3")

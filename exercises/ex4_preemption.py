@@ -24,6 +24,8 @@ class MyScheduler(Scheduler):
     def preempt(self, output: SchedulerOutput, victim: Request) -> None:
         """Plan to preempt ``victim``: give all its blocks back to the allocator now, and append it to
         ``output.preempted`` (``update`` then takes the listed victims off the end of ``self.running``).
+        Now, not in ``requeue_preempted``: the scheduler preempts so that the running request that needs a
+        block gets one in this very step, so the victim's blocks must be free as soon as this returns.
 
         Change nothing else here, not even the victim: a step that fails after planning is rolled back, and
         only the allocator's changes can be undone. The victim itself changes in ``requeue_preempted``.

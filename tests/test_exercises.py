@@ -321,6 +321,8 @@ class LearnerScheduler(Scheduler):
     skips_ahead = False  # admission passes a waiting request that cannot start, for a later one
     evicts_first = True  # a rolled-back step's victims are preempted again before anything runs
     labels = True  # a chunk is a prefill while its request is PREFILLING
+    spare_block = 0  # 1: preempts while a request needs as many blocks as are free, not more
+    empty_chunks = False  # admits with a budget of 0, planning chunks of no tokens
 
     def schedule_continuous(self):
         cfg, allocator = self.config, self.allocator
@@ -341,9 +343,11 @@ class LearnerScheduler(Scheduler):
                 continue
             end = request.num_computed_tokens + n
             last_victim = i if self.preempts_itself else i + 1
-            while allocator.blocks_needed(request.request_id, end) > allocator.num_free_blocks and live > last_victim:
+            free = allocator.num_free_blocks - self.spare_block
+            while allocator.blocks_needed(request.request_id, end) > free and live > last_victim:
                 live -= 1
                 self.preempt(output, self.running[live])
+                free = allocator.num_free_blocks - self.spare_block
             if live == i:
                 break
             allocator.allocate(request.request_id, end)
@@ -361,7 +365,7 @@ class LearnerScheduler(Scheduler):
     def admit_waiting(self, output, budget):
         for request in self.waiting:
             seats = not self.max_seqs or len(self.running) + len(output.admitted) < self.config.max_num_seqs
-            if budget <= 0 or not seats:
+            if (budget <= 0 and not self.empty_chunks) or not seats:
                 break
             wanted = request.num_prompt_tokens if self.prompt_only else request.num_tokens
             n = min(wanted, budget)
@@ -460,6 +464,18 @@ class LabelsEveryChunkDecode(LearnerScheduler):
     labels = False
 
 
+class PreemptsOneBlockEarly(LearnerScheduler):
+    """Preempts while a request needs as many blocks as are free, though they would do."""
+
+    spare_block = 1
+
+
+class PlansEmptyChunks(LearnerScheduler):
+    """Goes on admitting once the budget is spent, with chunks of no tokens."""
+
+    empty_chunks = True
+
+
 def test_ex3_a_scheduler_written_from_the_contract_passes():
     assert check(3, LearnerScheduler, quiet=True).passed
 
@@ -539,6 +555,25 @@ def test_ex3_a_plan_labkit_cannot_carry_out_is_named_before_the_model_runs():
     assert "never pop from or append to the queues" in text
 
 
+def test_ex3_a_step_that_differs_in_whom_it_preempts_says_so_before_what_its_case_checks():
+    _, messages = failing(3, PreemptsOneBlockEarly)
+    text = messages["admission stops at the first waiting request that cannot start"]
+    assert "got:      step 6: nothing; preempted [2, 1]" in text
+    assert text.index("the steps differ in whom they preempt") < text.index("What this case checks: admit from")
+    _, messages = failing(3, AdmitsThePromptOnly)
+    text = messages["admission stops at the first waiting request that cannot start"]
+    assert "r2 was preempted earlier, so it starts again from token 0" in text and "jump the queue" in text
+    _, messages = failing(3, IgnoresEvictFirst)  # a rolled-back step's victims: its own hint, not a diagnosis
+    assert "whom they preempt" not in messages["a rolled-back step's victims are preempted before anything runs"]
+
+
+def test_ex3_a_chunk_of_no_tokens_is_named():
+    _, messages = failing(3, PlansEmptyChunks)
+    text = messages["requests are admitted in arrival order while the budget allows"]
+    assert "got:      step 1 schedules r3 [0:0], a chunk of 0 tokens" in text
+    assert "a chunk is at least one token" in text
+
+
 def test_ex3_the_notebooks_name_only_what_a_scheduler_has():
     scheduler = Scheduler(EngineConfig(num_blocks=8), BlockAllocator(8, 4))
     for number in (3, 4, 7):
@@ -601,6 +636,24 @@ def test_ex4_planted_mistakes_are_named():
     assert "r2: state RequestState.WAITING, num_computed_tokens 0, num_preemptions 1" in text
     assert "preempt() only plans" in text
     assert "got:      the plan preempts []" in listed["a rolled-back step leaves its victim as it was"]
+
+
+class FreesAtTheCommit(Scheduler):
+    """Lists the victim while planning but frees its blocks only once the step is committed."""
+
+    def preempt(self, output, victim):
+        output.preempted.append(victim)
+
+    def requeue_preempted(self, victim):
+        super().requeue_preempted(victim)
+        self.allocator.free(victim.request_id)
+
+
+def test_ex4_blocks_freed_too_late_are_named_by_whom_the_step_preempts():
+    _, messages = failing(4, FreesAtTheCommit)
+    text = messages["a preempted request's output is unchanged"]
+    assert "got:      step 5: decode r0 [13:14]; preempted [3, 2, 1]" in text
+    assert "preempt() frees the victim's blocks at once" in text
 
 
 class ClearsItsOutput(Scheduler):

@@ -56,6 +56,42 @@ LABEL_HINT = (
 )
 
 
+EMPTY_CHUNK_HINT = (
+    "a chunk is at least one token: give a request a chunk only while the budget is positive, and stop walking"
+    " and admitting once it reaches 0"
+)
+PREEMPTED_HINT = (
+    "the steps differ in whom they preempt. A running request preempts only while it needs more blocks than"
+    " are free (allocator.blocks_needed(request.request_id, request.num_computed_tokens + n) >"
+    " allocator.num_free_blocks), the youngest running request not yet preempted first (from the end of"
+    " self.running), and preempt() frees the victim's blocks at once, so that they count as free for the rest"
+    " of the same step"
+)
+REQUEUE_ORDER_HINT = (
+    "the same requests, admitted in another order: a preempted request waits again at the front of"
+    " self.waiting (appendleft), ahead of the requests that arrived after it, and admission walks the queue"
+    " from the front"
+)
+RECOMPUTED_HINT = (
+    "r{id} was preempted earlier, so it starts again from token 0 and recomputes all its request.num_tokens"
+    " (its prompt and the tokens it generated, which it keeps), not just its prompt"
+)
+
+
+def divergence_hint(expected: StepReport, got: StepReport, preempted_before: set[int]) -> str | None:
+    """A hint naming how the learner's step differs from labkit's, when the difference itself says; else None."""
+    if list(expected.preempted) != list(got.preempted):
+        return PREEMPTED_HINT
+    if expected.admitted != got.admitted and sorted(expected.admitted) == sorted(got.admitted):
+        return REQUEUE_ORDER_HINT
+    lengths = {w.request_id: (w.start, w.num_tokens) for w in expected.scheduled}
+    for work in got.scheduled:
+        want = lengths.get(work.request_id)
+        if work.request_id in preempted_before and work.start == 0 and want and want != (0, work.num_tokens):
+            return RECOMPUTED_HINT.format(id=work.request_id)
+    return None
+
+
 class _BadPlan(Exception):
     """A plan that labkit cannot carry out: raised before the model runs, so that the step rolls back."""
 
@@ -73,6 +109,8 @@ def plan_problem(engine: Engine, output: SchedulerOutput) -> tuple[str, str] | N
         where = f"r{request_id} [{chunk.start}:{end}]"
         if request_id in preempted:
             return f"step {output.step} schedules {where} and also preempts r{request_id}", SCHEDULED_VICTIM_HINT
+        if chunk.num_tokens < 1:
+            return f"step {output.step} schedules {where}, a chunk of {chunk.num_tokens} tokens", EMPTY_CHUNK_HINT
         slots = len(allocator.block_tables.get(request_id, ())) * allocator.block_size
         if slots < end:
             message = f"step {output.step} schedules {where}, but r{request_id}'s blocks hold {slots} tokens"
@@ -171,14 +209,18 @@ def run_in_lockstep(
     after_step: tuple[Callable[[Engine, StepReport], str | None], str] | None = None,
     show: Callable[[StepReport], str] = step_text,
     num_steps: int | None = None,
+    diagnose: bool = True,
 ) -> None:
     """Step two engines holding the same requests until both finish; Mismatch at the first step that differs.
 
     ``setup`` describes the run for the feedback; ``show`` is what a step is compared by (its scheduled
     work, by default). ``rules`` and ``after_step`` as in :func:`lockstep`; the config the rules see is ``mine``'s.
-    With ``num_steps``, stop after that many steps (or sooner, once both finish).
+    With ``num_steps``, stop after that many steps (or sooner, once both finish). With ``diagnose``, a step
+    whose difference names its cause (whom it preempts, the order it admits in, how much a recomputed request
+    recomputes: :func:`divergence_hint`) gets that hint first, then ``hint`` as what the case checks.
     """
     done: list[str] = []
+    preempted_before: set[int] = set()
     showing(setup)
     check_plans(mine)
     for _ in range(MAX_STEPS if num_steps is None else num_steps):
@@ -203,12 +245,20 @@ def run_in_lockstep(
                 raise Mismatch(so_far, want, message, rule_hint)
         if show(expected) != show(got):
             relabelled = show(expected).replace("prefill ", "decode ") == show(got).replace("prefill ", "decode ")
-            raise Mismatch(so_far, want, f"step {got.step}: {show(got)}", LABEL_HINT if relabelled else hint)
+            cause = divergence_hint(expected, got, preempted_before) if diagnose and not relabelled else None
+            if relabelled:
+                step_hint = LABEL_HINT
+            elif cause is None:
+                step_hint = hint
+            else:  # a case that checks no more than the first difference adds nothing to the cause
+                step_hint = cause if hint.startswith("the step above is") else f"{cause}. What this case checks: {hint}"
+            raise Mismatch(so_far, want, f"step {got.step}: {show(got)}", step_hint)
         if after_step is not None:
             message = after_step[0](mine, got)
             if message is not None:
                 raise Mismatch(so_far, want, message, after_step[1])
         done.append(want)
+        preempted_before.update(expected.preempted)
     if num_steps is None:
         raise Mismatch(setup, "every request finishes", f"requests still unfinished after {MAX_STEPS} steps", hint)
 

@@ -49,6 +49,8 @@ APPLY_HINT = (
 )
 
 
+FIRST_DIFFERENCE_HINT = "the step above is the first one that differs from labkit's {}"  # what a property case checks
+
 LABEL_HINT = (
     "the same chunks, labelled otherwise: a chunk is a prefill while its request is PREFILLING"
     " (output.add_chunk(request, start, n, request.state is RequestState.PREFILLING)), and a newly admitted"
@@ -251,7 +253,8 @@ def run_in_lockstep(
             elif cause is None:
                 step_hint = hint
             else:  # a case that checks no more than the first difference adds nothing to the cause
-                step_hint = cause if hint.startswith("the step above is") else f"{cause}. What this case checks: {hint}"
+                generic = hint.startswith(FIRST_DIFFERENCE_HINT.format(""))
+                step_hint = cause if generic else f"{cause}. What this case checks: {hint}"
             raise Mismatch(so_far, want, f"step {got.step}: {show(got)}", step_hint)
         if after_step is not None:
             message = after_step[0](mine, got)

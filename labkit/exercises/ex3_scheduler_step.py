@@ -9,6 +9,7 @@ from labkit.core.engine import Engine
 from labkit.core.report import StepReport
 from labkit.core.scheduler import Scheduler
 from labkit.exercises.engine_runs import (
+    FIRST_DIFFERENCE_HINT,
     Workload,
     budget_rule,
     config,
@@ -97,7 +98,7 @@ def _property(cls: Any, example: Any) -> None:
         workload = [(min(p, budget - n + 1), n) for p, n in workload if n <= budget]
         workload = [(p, n) for p, n in workload if p >= 1] or [(1, 1)]
     cfg = config(max_batch_tokens=budget, max_num_seqs=min(seqs, budget), num_blocks=blocks, chunked_prefill=chunked)
-    lockstep(cls, cfg, workload, "the step above is the first one that differs from labkit's scheduler", RULES)
+    lockstep(cls, cfg, workload, FIRST_DIFFERENCE_HINT.format("scheduler"), RULES)
 
 
 def _victims_of_a_failed_step(cls: Any) -> None:
@@ -117,7 +118,7 @@ def _victims_of_a_failed_step(cls: Any) -> None:
         mine,
         ref,
         setup,
-        "the step above is the first one that differs from labkit's scheduler",
+        FIRST_DIFFERENCE_HINT.format("scheduler"),
         rules=RULES,
         num_steps=failing - 1,
     )

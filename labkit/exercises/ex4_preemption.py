@@ -14,7 +14,7 @@ from labkit.core.engine import Engine
 from labkit.core.request import RequestState, SamplingParams
 from labkit.core.scheduler import Scheduler
 from labkit.core.sim import SimulatedModel
-from labkit.exercises.engine_runs import config, describe, lockstep, prompts, step_text
+from labkit.exercises.engine_runs import FIRST_DIFFERENCE_HINT, config, describe, lockstep, prompts, step_text
 from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing
 
 # Prompts of one block each, so the first decode needs a second block; three run (max_num_seqs), r3 waits.
@@ -162,7 +162,7 @@ def _property(cls: Any, example: Any) -> None:
     workload, blocks, chunked = example
     cfg = config(num_blocks=blocks, max_batch_tokens=32, chunked_prefill=chunked)
     workload = [(p, n) for p, n in workload if p + n - 1 <= blocks * cfg.block_size] or [(1, 1)]
-    lockstep(cls, cfg, workload, "the step above is the first one that differs from labkit's scheduler")
+    lockstep(cls, cfg, workload, FIRST_DIFFERENCE_HINT.format("scheduler"))
 
 
 CASES = [

@@ -8,7 +8,7 @@ from labkit.core.config import EngineConfig
 from labkit.core.engine import Engine
 from labkit.core.report import StepReport
 from labkit.core.scheduler import Scheduler
-from labkit.exercises.engine_runs import Workload, config, lockstep, max_seqs_rule
+from labkit.exercises.engine_runs import FIRST_DIFFERENCE_HINT, Workload, config, lockstep, max_seqs_rule
 from labkit.exercises.framework import Case, Exercise, property_case
 
 PADDING_HINT = (
@@ -83,7 +83,7 @@ def _property(cls: Any, example: Any) -> None:
     workload, budget, seqs, blocks = example
     cfg = config(policy="static", max_batch_tokens=budget, max_num_seqs=seqs, num_blocks=blocks)
     workload = [(p, n) for p, n in workload if p + n - 1 <= blocks * cfg.block_size] or [(1, 1)]
-    hint = "the step above is the first one that differs from labkit's static policy"
+    hint = FIRST_DIFFERENCE_HINT.format("static policy")
     lockstep(cls, cfg, workload, hint, RULES, (reserve_rule, RESERVE_HINT))
 
 

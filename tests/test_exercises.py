@@ -428,6 +428,16 @@ class PopsTheQueue(LearnerScheduler):
         return budget
 
 
+class MarksAdmittedWhilePlanning(LearnerScheduler):
+    """Sets an admitted request's state while planning, as update() does once the step has run."""
+
+    def admit_waiting(self, output, budget):
+        budget = super().admit_waiting(output, budget)
+        for request in output.admitted:
+            request.state = RequestState.PREFILLING
+        return budget
+
+
 class OverspendsByOne(LearnerScheduler):
     overspend = 1
 
@@ -551,7 +561,7 @@ def test_ex3_a_plan_labkit_cannot_carry_out_is_named_before_the_model_runs():
     assert "never a request you have already given a chunk" in text
     _, pops = failing(3, PopsTheQueue)
     text = pops["a lone prompt is prefilled in one step, then decodes one token a step"]
-    assert "labkit raised while applying your plan: IndexError" in text and "your code raised" not in text
+    assert "got:      planning step 1 changed the waiting queue: [0] -> []" in text and "your code raised" not in text
     assert "never pop from or append to the queues" in text
 
 
@@ -565,6 +575,13 @@ def test_ex3_a_step_that_differs_in_whom_it_preempts_says_so_before_what_its_cas
     assert "r2 was preempted earlier, so it starts again from token 0" in text and "jump the queue" in text
     _, messages = failing(3, IgnoresEvictFirst)  # a rolled-back step's victims: its own hint, not a diagnosis
     assert "whom they preempt" not in messages["a rolled-back step's victims are preempted before anything runs"]
+
+
+def test_ex3_a_plan_that_changes_a_request_is_named_before_the_model_runs():
+    _, messages = failing(3, MarksAdmittedWhilePlanning)
+    text = messages["a lone prompt is prefilled in one step, then decodes one token a step"]
+    assert "got:      planning step 1 changed r0: WAITING, 0 computed, 0 generated -> PREFILLING" in text
+    assert "never change a request" in text
 
 
 def test_ex3_a_chunk_of_no_tokens_is_named():

@@ -120,13 +120,39 @@ def plan_problem(engine: Engine, output: SchedulerOutput) -> tuple[str, str] | N
     return None
 
 
+def planner_state(scheduler: Any) -> dict[str, Any]:
+    """What a plan may read but not change: the queues' order and each unfinished request's progress."""
+    state = {"the waiting queue": [r.request_id for r in scheduler.waiting]}
+    state["self.running"] = [r.request_id for r in scheduler.running]
+    for request_id, r in scheduler.requests.items():
+        state[f"r{request_id}"] = (
+            f"{r.state.name}, {r.num_computed_tokens} computed, {len(r.output_token_ids)} generated"
+        )
+    return state
+
+
+def plan_changes(before: dict[str, Any], after: dict[str, Any]) -> str | None:
+    """What planning changed, said as before -> after; None if nothing."""
+    changed = [
+        f"{name}: {before.get(name)} -> {after.get(name)}"
+        for name in {**before, **after}
+        if before.get(name) != after.get(name)
+    ]
+    return "; ".join(changed) or None
+
+
 def check_plans(engine: Engine) -> None:
-    """Make ``engine``'s scheduler raise _BadPlan, before the model runs, on a plan with a :func:`plan_problem`."""
+    """Make ``engine``'s scheduler raise _BadPlan, before the model runs, on a plan with a :func:`plan_problem`
+    or one that changed a request or a queue while planning (only ``update`` may: a failed step rolls back)."""
     scheduler = engine.scheduler
     plan = scheduler.schedule
 
     def schedule() -> SchedulerOutput:
+        before = planner_state(scheduler)
         output = plan()
+        changes = plan_changes(before, planner_state(scheduler))
+        if changes is not None:
+            raise _BadPlan(f"planning step {output.step} changed {changes}", APPLY_HINT)
         problem = plan_problem(engine, output)
         if problem is not None:
             raise _BadPlan(*problem)

@@ -800,12 +800,13 @@ def whole_last_block(q, k, v, table, context_len, scale):
 
 def test_ex5_planted_mistakes_are_named():
     _, past = failing(5, reads_one_past)
-    assert "only partly filled" in past["a decode query over a context that ends mid-block"]
+    text = past["a decode query over a context that ends mid-block"]
+    assert "reading context_len + 1 positions would give" in text and "only partly filled" not in text
     _, order = failing(5, blocks_in_id_order)
-    assert "block_table[p // block_size]" in order["blocks are read in block-table order"]
+    assert "reading blocks 0, 1, 2, ... in place of the block table's" in order["blocks are read in block-table order"]
     _, causal = failing(5, not_causal)
     assert list(causal) == ["a prefill chunk attends causally", *list(causal)[1:]]
-    assert "-inf before the softmax" in causal["a prefill chunk attends causally"]
+    assert "no causal mask would give" in causal["a prefill chunk attends causally"]
     _, heads = failing(5, wrong_head_groups)
     assert "repeat_interleave" in heads["grouped-query attention: query heads share KV heads"]
     _, dtype = failing(5, returns_float32)
@@ -844,6 +845,36 @@ def test_ex5_a_systematic_mistake_is_named_first_in_every_case_it_fails(planted,
         named_first = failure.hint.split(": ")[0]
         assert failure.kind == "mismatch" and named_first.startswith("Your output is what "), failure.message()
         assert named in named_first, failure.message()
+
+
+def test_ex5_a_named_mistake_replaces_the_hints_of_the_cases_it_breaks():
+    # Each case's own hint is about its topic (GQA, block order, ...): beside the named mistake it would read
+    # as a second bug.
+    _, messages = failing(5, sorted_blocks)
+    text = messages["grouped-query attention: query heads share KV heads"]
+    assert "reading the blocks in sorted order" in text and "repeat_interleave" not in text
+
+
+def keys_in_head_order(q, k, v, table, context_len, scale):
+    """repeat() on the keys only: a GQA mistake no single replay gives, wrong in float32 and bfloat16 alike."""
+    heads, kv = q.shape[0], k.shape[0]
+    order = torch.arange(heads).view(kv, heads // kv).t().flatten()
+    keys = paged_attention(q[order], k, v, table, context_len, scale)[torch.argsort(order)]
+    return (keys + paged_attention(q, k, v, table, context_len, scale)) / 2
+
+
+def test_ex5_a_bfloat16_failure_that_float32_shares_is_not_blamed_on_the_dtype():
+    _, messages = failing(5, keys_in_head_order)
+    text = messages["bfloat16 tensors give a bfloat16 output close to float32 attention"]
+    assert "wrong on these inputs in float32 too" in text and "8 bits of mantissa" not in text
+    _, dtype = failing(5, returns_float32)  # right in float32: the dtype hint stays
+    assert ".to(query.dtype)" in dtype["bfloat16 tensors give a bfloat16 output close to float32 attention"]
+
+
+def test_ex5_a_random_failure_says_how_to_reproduce_it():
+    _, messages = failing(5, keys_in_head_order)  # named mistakes replace this hint: this one is none of them
+    text = messages["random shapes match dense attention"]
+    assert "s = scenario(num_heads=" in text and "dense_attention(s, 0.25)" in text
 
 
 def test_ex5_a_mistake_that_cannot_be_replayed_is_skipped_not_blamed():
@@ -1138,7 +1169,11 @@ def test_ex7_planted_mistakes_are_named():
     )
     _, reserve = failing(7, ReservesThePromptOnly)
     text = reserve["each member reserves its prompt and every token it may generate"]
-    assert "admitted [0, 1, 2]" in text and "reserve each member's whole future up front" in text
+    assert "r0 was admitted with 8 slots reserved; it may need 13" in text
+    assert "reserve each member's whole future up front" in text
+    # Reserving too little admits more members than fit: that step is blamed on the reservation, not on the order.
+    text = reserve["the first request whose blocks cannot be reserved ends the batch"]
+    assert "reserve each member's whole future up front" in text and "never skip ahead" not in text
     _, skip = failing(7, SkipsAhead)
     assert "step 1: prefill r0 [0:4]; admitted [0]" in skip["the first request that does not fit ends the batch"]
     text = only_failure(7, SkipsPastBlocks, "the first request whose blocks cannot be reserved ends the batch")

@@ -5,7 +5,7 @@ with noise of the same size (so reading a slot that is not the request's shows, 
 wrong output no more than a right one), and compares the learner's output with dense causal attention over
 the same keys and values, computed in float32 (one case hands the learner bfloat16 tensors, as a model
 served in bfloat16 does). A wrong output is compared with what each classic mistake would give
-(:data:`MISTAKES`): one bug breaks several cases, and each of them then names that bug first.
+(:data:`MISTAKES`): one bug breaks several cases, and each of them then names that bug, and only it.
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def diagnose(s: dict[str, Any], scale: float, got: Any, expected: Any, tolerance
         return ""
     does = " or ".join(m.does.format(scale=scale, rsqrt=_head_dim(s) ** -0.5) for m in found)
     fixes = "; ".join(dict.fromkeys(m.fix for m in found))
-    return f"Your output is what {does} would give: {fixes}. "
+    return f"Your output is what {does} would give: {fixes}"
 
 
 def _close(a: Any, b: Any, tolerance: float) -> bool:
@@ -248,7 +248,9 @@ def compare(
 ) -> None:
     """Run ``fn`` on a scenario whose tensors are in ``dtype``; Mismatch unless it matches dense attention.
 
-    A mismatch names first the classic mistakes that would give the learner's output (:func:`diagnose`).
+    A mismatch names the classic mistakes that would give the learner's output (:func:`diagnose`) in place of
+    the case's hint: one bug breaks several cases, and each case's own hint (about the scale, GQA, block order)
+    would read as a second bug. On a bfloat16 input, a function that is wrong in float32 too is told so.
     """
     import torch
 
@@ -282,8 +284,34 @@ def compare(
             f"dense causal attention (float32), within {tolerance:g}: output[{head}, {row}, :4] ="
             f" {_row(expected[head, row])}",
             f"output[{head}, {row}, :4] = {_row(got[head, row])}  (largest difference {error.max().item():.3g})",
-            diagnose(exact, scale, got, expected, tolerance) + hint,
+            diagnose(exact, scale, got, expected, tolerance)
+            or (dtype != "float32" and _float32_too(fn, exact, scale, expected))
+            or hint,
         )
+
+
+def _float32_too(fn: Any, exact: dict[str, Any], scale: float, expected: Any) -> str:
+    """For a bfloat16 case: a hint when ``fn`` is wrong on the same inputs in float32 too (not the dtype's bug)."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            got = fn(
+                exact["query"].clone(),
+                exact["key_cache"].clone(),
+                exact["value_cache"].clone(),
+                list(exact["block_table"]),
+                exact["context_len"],
+                scale,
+            )
+    except Exception:  # only a probe: the case reports the bfloat16 run
+        return ""
+    if isinstance(got, torch.Tensor) and got.shape == expected.shape and _close(got, expected, TOLERANCE):
+        return ""
+    return (
+        "your function is wrong on these inputs in float32 too, so the bug is not in how it handles bfloat16:"
+        " the float32 cases point at it"
+    )
 
 
 def _row(values: Any) -> str:
@@ -310,7 +338,11 @@ def _property(fn: Any, example: Any) -> None:
     (heads, kv_heads), context, queries, block_size, seed = example
     compare(
         fn,
-        "compare with the dense attention of the same keys and values",
+        "reproduce it in a notebook: from labkit.exercises.ex5_paged_attention import dense_attention, scenario;"
+        f" s = scenario(num_heads={heads}, num_kv_heads={kv_heads}, context_len={context},"
+        f" num_queries={min(queries, context)}, block_size={block_size}, seed={seed}); compare"
+        f" paged_attention(s['query'], s['key_cache'], s['value_cache'], s['block_table'], {context}, {SCALE})"
+        f" with dense_attention(s, {SCALE}), which holds the same keys and values in position order",
         heads=heads,
         kv_heads=kv_heads,
         context=context,

@@ -27,7 +27,8 @@ def paged_attention(
 
     ``query`` is (H, Q, D): the request's last Q tokens, at positions ``context_len - Q .. context_len - 1``,
     whose keys and values are already in the cache. ``key_cache`` and ``value_cache`` are one layer's
-    blocks, (KV, num_blocks, block_size, D); ``block_table`` lists the request's blocks in order. Query
+    blocks, (KV, num_blocks, block_size, D); ``block_table`` lists the request's blocks in order
+    (it may list more blocks than ``context_len`` fills: a static batch reserves them up front). Query
     ``q`` sees the keys at positions ``0 .. context_len - Q + q`` (causal), scaled by ``scale``; the H
     query heads share the KV heads in groups of H // KV (query head h uses KV head h // (H // KV)).
     Return (H, Q, D), in the query's dtype (``query.dtype``, e.g. bfloat16), on its device. Compute the

@@ -23,12 +23,13 @@ class MyScheduler(Scheduler):
     def form_static_batch(self, output: SchedulerOutput) -> list[Request]:
         """Plan the next static batch from the front of ``self.waiting``, in arrival order; return ``output.admitted``.
 
-        A waiting request joins while the batch has fewer than ``config.max_num_seqs`` members, the batch is
-        empty or its padded prompt rows, (members + 1) x the longest prompt including this one, stay within
-        ``config.max_batch_tokens``, and its blocks for ``num_prompt_tokens + params.max_new_tokens - 1``
-        tokens can be reserved up front. Reserve them (``allocate``), then append it to ``output.admitted``.
-        The first request that does not fit ends the batch. The first member always joins, even a prompt
-        longer than the budget: it has nothing to pad, and labkit prefills it in chunks. The ``- 1``: the last
-        generated token is never fed back to the model, so it needs no cache slot.
+        A waiting request joins while the batch has fewer than ``self.config.max_num_seqs`` members, the batch
+        is empty or its padded prompt rows, (members + 1) x the longest prompt including this one, stay within
+        ``self.config.max_batch_tokens``, and its blocks for
+        ``request.num_prompt_tokens + request.params.max_new_tokens - 1`` tokens can be reserved up front.
+        Reserve them (``allocate``), then append it to ``output.admitted``. The first request that does not
+        fit ends the batch. The first member always joins, even a prompt longer than the budget: it has nothing
+        to pad, and labkit prefills it in chunks. The ``- 1``: the last generated token is never fed back to the
+        model, so it needs no cache slot.
         """
         raise NotImplementedError("Exercise 7")

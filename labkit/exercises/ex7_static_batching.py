@@ -49,7 +49,7 @@ def padded_rows_rule(engine: Engine, report: StepReport, cfg: EngineConfig) -> s
     return None
 
 
-def reserve_rule(engine: Engine, report: StepReport, cfg: EngineConfig | None = None) -> str | None:
+def reserve_rule(engine: Engine, report: StepReport, cfg: EngineConfig) -> str | None:
     """A member admitted with fewer blocks than its whole future. Checked before the step is compared with
     labkit's: reserving too little admits more members than fit, and that step's difference is this mistake."""
     allocator = engine.allocator

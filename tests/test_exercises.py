@@ -646,7 +646,7 @@ def test_ex4_planted_mistakes_are_named():
     _, back = failing(4, RequeuesAtTheBack)
     assert "appendleft" in back["the victim goes to the front of the waiting queue"]
     _, blocks = failing(4, KeepsItsBlocks)
-    assert "still owns blocks" in blocks["the victim's blocks all go back to the free queue"]
+    assert "still owns 1 block: ids [" in blocks["the victim's blocks all go back to the free queue"]
     _, commit = failing(4, PlansTheCommit)
     text = commit["a rolled-back step leaves its victim as it was"]
     assert "r2: state RequestState.DECODING, num_computed_tokens 4, num_preemptions 0" in text

@@ -69,7 +69,10 @@ def _listed(engine: Engine, report: Any, before: dict[str, Any]) -> tuple[str, s
 def _blocks(engine: Engine, report: Any, before: dict[str, Any]) -> tuple[str, str] | None:
     owns = engine.allocator.block_tables.get(VICTIM)
     if owns is not None:
-        return f"r{VICTIM} owns no blocks", f"r{VICTIM} still owns blocks {owns}"
+        return (
+            f"r{VICTIM} owns no blocks",
+            f"r{VICTIM} still owns {len(owns)} block{'s' * (len(owns) != 1)}: ids {owns}",
+        )
     return None
 
 

@@ -1084,6 +1084,73 @@ def test_ex6_top_p_at_an_exact_tie_is_named():
     assert "mass before the third token is exactly 0.5" in text and ">= top_p, not >" in text
 
 
+class TopKOneTooFew(RowByRow):
+    """Keeps top_k - 1 tokens."""
+
+    def top_k_of(self, probs, order, top_k):
+        return set(order[: max(1, top_k - 1)])
+
+
+class TopPWithoutTheCrossingToken(RowByRow):
+    """Keeps only the tokens whose mass up to and including them stays within top_p (at least the first)."""
+
+    def nucleus(self, probs, order, keep, top_p):
+        total = sum(float(probs[t]) for t in keep)
+        kept, mass = set(), 0.0
+        for token in (t for t in order if t in keep):
+            mass += float(probs[token]) / total
+            if mass <= top_p or not kept:
+                kept.add(token)
+        return kept
+
+
+def test_ex6_a_step_already_wrong_alone_is_named_before_the_order_of_steps():
+    _, messages = failing(6, TopPWithoutTheCrossingToken)
+    text = messages["temperature comes first: the nucleus is taken from the tempered probabilities"]
+    assert '"top_p keeps the smallest nucleus that reaches top_p" checks that step alone' in text
+    rows = messages["each row of a batch uses its own temperature, top_k and top_p"]
+    assert "even in a batch of their own" in rows and "use row i's values for row i" not in rows
+    _, messages = failing(6, TopKOffByOne)
+    text = messages["top_k, then top_p on the renormalised rest"]
+    assert '"top_k keeps the k most likely tokens" checks that step alone' in text
+    text = only_failure(6, FirstRowsTemperature, "each row of a batch uses its own temperature, top_k and top_p")
+    assert "use row i's values for row i" in text  # a mix-up of rows keeps its own hint
+
+
+def test_ex6_a_filter_that_keeps_too_few_is_not_told_it_keeps_too_many():
+    _, messages = failing(6, TopKOneTooFew)
+    text = messages["top_k keeps exactly k tokens, even among equal ones"]
+    assert "keeps fewer than top_k tokens" in text and "not every token at least as likely" not in text
+
+
+def test_ex6_a_sampler_on_a_shared_generator_is_named_in_every_case():
+    _, messages = failing(6, GlobalRandom)
+    for name in (
+        "temperature 1 draws each token with its softmax probability",
+        "random rows draw like labkit's sampler",
+    ):
+        assert "on a second call" in messages[name] or "answers the same input differently" in messages[name]
+        assert "shared random generator" in messages[name]
+    assert "the filters keep the right tokens" not in "".join(messages.values())
+
+
+def test_a_property_case_whose_implementation_answers_differently_is_named_not_a_hypothesis_error():
+    from hypothesis import strategies as st
+
+    calls = []
+
+    def test(implementation, example):
+        framework.showing(f"example={example}")
+        calls.append(example)
+        if len(calls) == 1:
+            raise framework.Mismatch(f"example={example}", "1", "2", "")
+
+    case = framework.property_case("flaky", lambda: st.integers(0, 3), test)
+    failure = framework.run_case(case, None)
+    assert failure.kind == "mismatch" and "Flaky" not in failure.got
+    assert "answers the same input differently" in failure.hint
+
+
 # ------------------------------------------------------------------ exercise 7
 class LearnerStatic(Scheduler):
     """form_static_batch written from the contract; the subclasses below plant one mistake each."""
@@ -1316,6 +1383,20 @@ def test_ex8_a_hit_confirmed_without_its_parent_is_named():
     assert "expected: PrefixMatch(blocks=[0], num_query_tokens=13, num_query_blocks=3, miss='new')" in text
     assert "got:      PrefixMatch(blocks=[0, 63, 2]," in text
     assert "depend on every token before it" in text and "entry.parent" in text
+
+
+def test_ex8_a_collision_handed_out_in_another_case_is_named_as_one():
+    _, messages = failing(8, TrustsTheDigest)
+    text = messages["match stops at the first block that misses"]
+    assert "got:      PrefixMatch(blocks=[63, 1, 2]" in text and "block 63, the planted collision" in text
+    assert "return at the first miss" not in text
+
+
+def test_ex8_serving_the_last_token_in_the_engine_is_not_blamed_on_the_scheduler():
+    _, messages = failing(8, ServesTheLastToken)
+    text = messages["inside the engine, a shared system prompt is served as with labkit's cache"]
+    assert "a chunk of 0 tokens" in text and "your match served every token" in text
+    assert "budget is positive" not in text
 
 
 def test_ex8_the_learners_cache_plugged_into_the_engine_gives_labkits_tokens(bundled):

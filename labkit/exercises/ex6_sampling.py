@@ -56,12 +56,45 @@ def _sweep(cls: Any, probs: list[float], params: tuple[float, int, float]) -> tu
     )
     showing(text)
     batch = [[math.log(p) for p in probs]] * len(GRID), [params] * len(GRID), GRID
-    return text, _draw(cls(), *batch), _draw(Sampler(), *batch)
+    sampler = cls()
+    got, again = _draw(sampler, *batch), _draw(sampler, *batch)
+    if got != again:  # not a function of the uniform: every other hint would blame the wrong step
+        raise Mismatch(text, "the same tokens on every call", "other tokens on a second call", RANDOM_HINT)
+    return text, got, _draw(Sampler(), *batch)
 
 
-def distribution_case(name: str, hint: str, probs: list[float], temperature: float, top_k: int, top_p: float) -> Case:
+def _alone_fails(cls: Any, probs: list[float], prerequisites: list[tuple[str, tuple[float, int, float]]]) -> str:
+    """A note naming the first simpler setting (a case of its own) that the sampler already gets wrong; else ""."""
+    from labkit.runtime.sampling import Sampler
+
+    for case, params in prerequisites:
+        batch = [[math.log(p) for p in probs]] * len(GRID), [params] * len(GRID), GRID
+        if _draw(cls(), *batch) != _draw(Sampler(), *batch):
+            return (
+                f"With (temperature, top_k, top_p)={params} alone your sampler already draws otherwise than"
+                f' labkit\'s: fix that first (the case "{case}" checks that step alone), then check again; this'
+                " case only checks the order of the steps. "
+            )
+    return ""
+
+
+def distribution_case(
+    name: str,
+    hint: str,
+    probs: list[float],
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    prerequisites: list[tuple[str, tuple[float, int, float]]] = (),  # type: ignore[assignment]
+) -> Case:
+    """``prerequisites``: (case name, params) of simpler settings on the same ``probs``, each checked by a case of
+    its own; when the sampler gets one of those wrong alone, the failure says so before its own hint."""
+
     def run(cls: Any) -> None:
         text, got, expected = _sweep(cls, probs, (temperature, top_k, top_p))
+        if got != expected and (first := _alone_fails(cls, probs, list(prerequisites))):
+            want, have = f"tokens drawn with shares {_shares(expected)}", f"shares {_shares(got)}"
+            raise Mismatch(text, want, have, first + hint)
         if got != expected:
             removed = sorted(set(got) - set(expected))
             note = f"your sampler drew token(s) {removed}, which the filters remove. " if removed else ""
@@ -79,7 +112,7 @@ def distribution_case(name: str, hint: str, probs: list[float], temperature: flo
     return Case(name, run, hint)
 
 
-def tie_case(name: str, hint: str, probs: list[float], top_k: int, top_p: float) -> Case:
+def tie_case(name: str, hint: str, probs: list[float], top_k: int, top_p: float, fewer_hint: str = "") -> Case:
     """Equal probabilities at a filter's edge: how many tokens the filter keeps, and how often each is drawn.
 
     Which of the equal tokens stay is the sort's choice (labkit's keeps the lowest ids), so only the shares,
@@ -92,7 +125,9 @@ def tie_case(name: str, hint: str, probs: list[float], top_k: int, top_p: float)
         if got != expected:
             want = f"{len(expected)} of the {len(probs)} tokens drawn, shares {expected}"
             have = f"{len(got)} of the {len(probs)} tokens drawn, shares {got}"
-            raise Mismatch(text, want, have, RESCALE_HINT if len(got) == len(expected) else hint)
+            if len(got) == len(expected):
+                raise Mismatch(text, want, have, RESCALE_HINT)
+            raise Mismatch(text, want, have, fewer_hint if len(got) < len(expected) and fewer_hint else hint)
 
     return Case(name, run, hint)
 
@@ -150,11 +185,21 @@ def _own_parameters(cls: Any) -> None:
     showing(text)
     params = [setting for setting in SETTINGS for _ in GRID]
     batch = [logits] * len(params), params, GRID * len(SETTINGS)
-    got, expected = _draw(cls(), *batch), _draw(Sampler(), *batch)
+    sampler = cls()
+    got, expected = _draw(sampler, *batch), _draw(Sampler(), *batch)
+    if got != expected and _draw(sampler, *batch) != got:
+        raise Mismatch(text, "the same tokens on every call", "other tokens on a second call", RANDOM_HINT)
     for i, setting in enumerate(SETTINGS):
         rows = slice(i * len(GRID), (i + 1) * len(GRID))
         if got[rows] != expected[rows]:
             want = f"rows with {setting}: tokens drawn with shares {_shares(expected[rows])}"
+            alone = [logits] * len(GRID), [setting] * len(GRID), GRID
+            if _draw(cls(), *alone) != _draw(Sampler(), *alone):  # not a mix-up of rows: the setting itself
+                hint = (
+                    f"rows with {setting} draw otherwise than labkit's even in a batch of their own, so this is not"
+                    " about mixing up rows: fix the case above with the same temperature, top_k and top_p first"
+                )
+                raise Mismatch(text, want, f"shares {_shares(got[rows])}", hint)
             raise Mismatch(text, want, f"shares {_shares(got[rows])}", PER_ROW_HINT)
 
 
@@ -180,14 +225,24 @@ def _property(cls: Any, example: Any) -> None:
     text = f"logits={logits}, (temperature, top_k, top_p)={params}, uniform={uniform}"
     showing(text)
     expected = _draw(Sampler(), [logits], [params], [uniform])
-    got = _draw(cls(), [logits], [params], [uniform])
+    sampler = cls()
+    got = _draw(sampler, [logits], [params], [uniform])
     if got != expected:
-        raise Mismatch(text, f"token {expected[0]}", f"token {got[0]}", STEPS_HINT)
+        again = _draw(sampler, [logits], [params], [uniform])
+        hint = RANDOM_HINT if again != got else STEPS_HINT
+        raise Mismatch(
+            text, f"token {expected[0]}", f"token {got[0]}" + (f", then {again[0]}" if again != got else ""), hint
+        )
 
 
 PER_ROW_HINT = (
     "each row has its own temperature, top_k and top_p: use row i's values for row i (e.g. logits /"
     " temperature[:, None], and a cut-off per row for top_k and top_p), never the first row's for all"
+)
+RANDOM_HINT = (
+    "your sampler drew other tokens for the same logits, parameters and uniforms on a second call: use only the"
+    " uniform you are given, one per row, no torch.multinomial or torch.rand (a shared random generator makes a"
+    " row's token depend on the other rows and on earlier calls)"
 )
 TEMPERATURE_HINT = "divide the logits by the temperature before the softmax: below 1 sharpens, above 1 flattens"
 TOP_K_HINT = "keep the top_k most likely tokens (all of them when top_k == 0), renormalise, then draw"
@@ -196,9 +251,18 @@ TOP_K_TIE_HINT = (
     " every token at least as likely as the k-th: here the second, third and fourth tokens tie at 0.2, and"
     " top_k=2 keeps one of them (which one does not matter here)"
 )
+TOP_K_FEWER_HINT = (
+    "your sampler keeps fewer than top_k tokens: keep the first top_k of the sorted order (positions 0 to"
+    " top_k - 1, e.g. mask positions >= top_k), not top_k - 1"
+)
 TOP_P_HINT = (
     "sort by probability and keep the smallest prefix whose mass reaches top_p: a token is dropped when the"
     " mass before it is already >= top_p (the most likely token always stays)"
+)
+TOP_P_FEWER_HINT = (
+    "your sampler keeps fewer tokens than labkit's: a token stays while the mass before it is below top_p, so"
+    " the token whose own probability carries the mass to top_p or beyond stays (here the second 0.25, which"
+    " brings the mass to exactly 0.5)"
 )
 TOP_P_TIE_HINT = (
     "the mass before the third token is exactly 0.5 == top_p: the first two already reach top_p, so the third is"
@@ -246,7 +310,12 @@ CASES = [
     distribution_case("top_p keeps the smallest nucleus that reaches top_p", TOP_P_HINT, PROBS, 1.0, 0, 0.75),
     distribution_case("top_p always keeps the most likely token", TOP_P_HINT, PROBS, 1.0, 0, 0.01),
     tie_case(
-        "top_k keeps exactly k tokens, even among equal ones", TOP_K_TIE_HINT, [0.4, 0.2, 0.2, 0.2], top_k=2, top_p=1.0
+        "top_k keeps exactly k tokens, even among equal ones",
+        TOP_K_TIE_HINT,
+        [0.4, 0.2, 0.2, 0.2],
+        top_k=2,
+        top_p=1.0,
+        fewer_hint=TOP_K_FEWER_HINT,
     ),
     tie_case(
         "a nucleus whose mass equals top_p exactly keeps no further token",
@@ -254,6 +323,7 @@ CASES = [
         [0.25] * 4,
         top_k=0,
         top_p=0.5,
+        fewer_hint=TOP_P_FEWER_HINT,
     ),
     distribution_case(
         "temperature comes first: the nucleus is taken from the tempered probabilities",
@@ -264,6 +334,10 @@ CASES = [
         2.0,
         0,
         0.75,
+        prerequisites=[
+            ("temperature above 1 flattens the distribution", (2.0, 0, 1.0)),
+            ("top_p keeps the smallest nucleus that reaches top_p", (1.0, 0, 0.75)),
+        ],
     ),
     distribution_case(
         "top_k, then top_p on the renormalised rest",
@@ -274,6 +348,10 @@ CASES = [
         1.0,
         2,
         0.5,
+        prerequisites=[
+            ("top_k keeps the k most likely tokens", (1.0, 2, 1.0)),
+            ("top_p keeps the smallest nucleus that reaches top_p", (1.0, 0, 0.5)),
+        ],
     ),
     Case("each row of a batch uses its own temperature, top_k and top_p", _own_parameters, PER_ROW_HINT),
     Case(

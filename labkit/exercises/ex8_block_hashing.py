@@ -16,7 +16,7 @@ from labkit.core.engine import Engine
 from labkit.core.prefix_cache import CachedBlock, PrefixCache, PrefixMatch, block_hash
 from labkit.core.request import Request, SamplingParams
 from labkit.core.sim import SimulatedModel
-from labkit.exercises.engine_runs import run_in_lockstep, step_text
+from labkit.exercises.engine_runs import EMPTY_CHUNK_HINT, run_in_lockstep, step_text
 from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing
 
 BLOCK_SIZE = 4
@@ -133,7 +133,12 @@ def compare(cls: Any, ops: list[Op], hint: str) -> None:
     for number, (want, have) in enumerate(zip(expected, got, strict=True)):
         if _show(want) != _show(have):  # compared as shown, so that a failure always shows what differs
             shown = "\n".join(text[: lookups[number] + 1])
-            raise Mismatch(shown, _show(want), _show(have), _nothing_hit_hint(want, have) or hint)
+            raise Mismatch(
+                shown,
+                _show(want),
+                _show(have),
+                _nothing_hit_hint(want, have) or _collision_hint(want, have, hint) or hint,
+            )
 
 
 NOTHING_HIT_HINT = (
@@ -149,6 +154,21 @@ def _nothing_hit_hint(want: Any, have: Any) -> str:
         return ""
     hit_nothing = isinstance(have.blocks, (list, tuple)) and not have.blocks and have.miss == "new"
     return NOTHING_HIT_HINT if hit_nothing else ""
+
+
+def _collision_hint(want: Any, have: Any, hint: str) -> str:
+    """A hint naming the planted collision, block 63, when the learner's lookup hands it out and labkit's does
+    not, in a case that checks something else (the confirming cases' own hints already say it)."""
+    if hint in (_CONFIRM_HINT, _PARENT_HINT):
+        return ""
+    handed_out = isinstance(have, PrefixMatch) and isinstance(have.blocks, (list, tuple)) and 63 in have.blocks
+    if not handed_out or (isinstance(want, PrefixMatch) and 63 in want.blocks):
+        return ""
+    return (
+        "your match handed out block 63, the planted collision, so the first thing to fix is how a hit is"
+        " confirmed: compare the entry's token_ids and parent with the request's own block before using it;"
+        " a mismatch is a miss (reason 'new'), never someone else's keys and values"
+    )
 
 
 def _lookup_case(name: str, ops: list[Op], hint: str) -> Case:
@@ -281,7 +301,19 @@ def engine_lockstep(cls: Any, hint: str) -> None:
         f" tokens; all of it; it + 5 tokens (6 new tokens each)"
     )
     reference, mine = engines
-    run_in_lockstep(mine, reference, setup, hint, show=_engine_step)
+    try:
+        run_in_lockstep(mine, reference, setup, hint, show=_engine_step)
+    except Mismatch as mismatch:
+        if mismatch.hint == EMPTY_CHUNK_HINT:  # the scheduler is labkit's: the lookup left nothing to compute
+            mismatch.hint = ENGINE_LAST_TOKEN_HINT
+        raise
+
+
+ENGINE_LAST_TOKEN_HINT = (
+    "your match served every token of this request, so labkit's scheduler was left a chunk of 0 tokens to"
+    " compute: serve at most (request.num_tokens - 1) // self.block_size blocks, so that the last token is"
+    ' always computed (the case "match never serves a request\'s last token" checks it alone)'
+)
 
 
 def _engine_step(report: Any) -> str:
@@ -297,7 +329,9 @@ def _engine_step(report: Any) -> str:
 CASES.append(
     Case(
         "inside the engine, a shared system prompt is served as with labkit's cache",
-        lambda cls: engine_lockstep(cls, "compare the first step where the hits differ, then the lookup cases above"),
+        lambda cls: engine_lockstep(
+            cls, "compare the first step where the hits or the misses differ, then the lookup cases above"
+        ),
         "plugged in with allocator_cls=allocator_for(MyPrefixCache), your block_hash and match decide every hit",
     )
 )

@@ -84,8 +84,31 @@ def property_case(
         except Mismatch as mismatch:
             mismatch.input = f"{mismatch.input}\n(the smallest counterexample hypothesis found)"
             raise
+        except Exception as error:
+            if not _is_flaky(error):
+                raise
+            raise Mismatch(
+                _current_input[0],
+                "the same answer each time the same input is given",
+                "an answer that failed once and passed when hypothesis tried the same input again",
+                FLAKY_HINT,
+            ) from None
 
     return Case(name, run, hint)
+
+
+FLAKY_HINT = (
+    "your code answers the same input differently from one call to the next: its answer must depend on its"
+    " arguments only (a shared random generator such as torch.rand, or state kept between calls, breaks that)"
+)
+
+
+def _is_flaky(error: BaseException) -> bool:
+    """Whether hypothesis gave up because a failing example passed when run again (its Flaky errors)."""
+    from hypothesis import errors
+
+    flaky = tuple(getattr(errors, name) for name in ("Flaky", "FlakyFailure") if hasattr(errors, name))
+    return isinstance(error, flaky)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ class MySampler(Sampler):
         Then walk the kept tokens, again in decreasing probability (not in vocabulary order; among equal
         probabilities any order will do), and pick the first whose cumulative probability exceeds ``uniform``
         times the kept mass (inverse CDF): the same uniform must draw the same token as labkit's sampler. Use
-        no other randomness. You may loop over the rows.
+        no other randomness (the checker calls it twice with the same input). You may loop over the rows.
+        Greedy requests (temperature 0) never reach ``sample_rows``: ``Sampler.sample`` takes their argmax.
         """
         raise NotImplementedError("Exercise 6")

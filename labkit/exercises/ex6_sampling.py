@@ -8,6 +8,7 @@ must equal labkit's. A token the filters should have removed is named outright.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing
@@ -63,7 +64,7 @@ def _sweep(cls: Any, probs: list[float], params: tuple[float, int, float]) -> tu
     return text, got, _draw(Sampler(), *batch)
 
 
-def _alone_fails(cls: Any, probs: list[float], prerequisites: list[tuple[str, tuple[float, int, float]]]) -> str:
+def _alone_fails(cls: Any, probs: list[float], prerequisites: Sequence[tuple[str, tuple[float, int, float]]]) -> str:
     """A note naming the first simpler setting (a case of its own) that the sampler already gets wrong; else ""."""
     from labkit.runtime.sampling import Sampler
 
@@ -85,14 +86,14 @@ def distribution_case(
     temperature: float,
     top_k: int,
     top_p: float,
-    prerequisites: list[tuple[str, tuple[float, int, float]]] = (),  # type: ignore[assignment]
+    prerequisites: Sequence[tuple[str, tuple[float, int, float]]] = (),
 ) -> Case:
     """``prerequisites``: (case name, params) of simpler settings on the same ``probs``, each checked by a case of
     its own; when the sampler gets one of those wrong alone, the failure says so before its own hint."""
 
     def run(cls: Any) -> None:
         text, got, expected = _sweep(cls, probs, (temperature, top_k, top_p))
-        if got != expected and (first := _alone_fails(cls, probs, list(prerequisites))):
+        if got != expected and (first := _alone_fails(cls, probs, prerequisites)):
             want, have = f"tokens drawn with shares {_shares(expected)}", f"shares {_shares(got)}"
             raise Mismatch(text, want, have, first + hint)
         if got != expected:

@@ -1,6 +1,9 @@
 """Exercise 1 · Block allocator: hand out KV-cache blocks from a free queue, and take them back.
 
 Fill in ``allocate`` and ``free``; everything else (``__init__``, ``blocks_needed``, ``slot``, ...) is labkit's.
+labkit's ``append_slot(request_id)`` (one more token, a decode step) calls your ``allocate(request_id,
+num_slots + 1)`` and then looks the new token's block up in the block table, so it relies on ``allocate``
+growing the table.
 The state you work with, set up by ``BlockAllocator.__init__``:
 
 * ``self.free_blocks``: a deque of free block ids, initially ``0 .. num_blocks - 1``;
@@ -33,8 +36,9 @@ class MyBlockAllocator(BlockAllocator):
         here, so leave it be; it is in the signature because the engine's scheduler passes it.
 
         Take ``self.blocks_needed(request_id, num_tokens)`` blocks from the *front* of ``self.free_blocks``,
-        give each reference count 1 and an "alloc" event, append them to the request's block table (creating
-        it if needed) and set ``self.num_slots[request_id]`` to ``num_tokens`` if that is more than before.
+        give each reference count 1 and an "alloc" event, append them to the end of the request's block table
+        (creating it, even empty, if the request has none; never replace an existing one) and set
+        ``self.num_slots[request_id]`` to ``num_tokens`` if that is more than before.
         All or nothing: if too few blocks are free, raise NoFreeBlocksError and change nothing.
         """
         raise NotImplementedError("Exercise 1")
@@ -48,6 +52,6 @@ class MyBlockAllocator(BlockAllocator):
         now is handed out after every block already free, so the freshest keys and values, which a later
         request may still hit with prefix caching, are overwritten last. Another request may still share a
         block: then it stays in use.
-        Freeing a request that owns nothing (unknown, or already freed) raises KeyError.
+        Freeing a request that has no block table (never allocated, or already freed) raises KeyError.
         """
         raise NotImplementedError("Exercise 1")

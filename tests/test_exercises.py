@@ -236,6 +236,65 @@ def test_ex1_a_free_to_the_front_of_the_queue_is_named_by_the_queues_order(plant
         assert "first in, first out" in message, message
 
 
+class AllocateWithoutRefCounts(BlockAllocator):
+    """Takes the right blocks but leaves their reference counts at 0."""
+
+    def allocate(self, request_id, num_tokens, prefix=None):
+        new = super().allocate(request_id, num_tokens, prefix)
+        for block in new:
+            self.ref_counts[block] = 0
+        return new
+
+
+def test_ex1_reference_counts_left_at_0_are_named_not_each_cases_own_rule():
+    _, messages = failing(1, AllocateWithoutRefCounts)
+    replayed = [name for name in messages if not name.startswith("inside the engine")]
+    assert len(replayed) >= 8  # every replayed case fails at the first allocate, on the reference counts alone
+    for name in replayed:
+        text = messages[name]
+        assert "ref counts: [1" in text and "ref counts: [0" in text
+        assert "allocate sets it to 1 for each block it takes" in text, text
+        assert "must raise KeyError" not in text and "first in, first out" not in text
+
+
+class ReplacesTable(BlockAllocator):
+    """Sets the request's block table to the new blocks alone instead of growing the one it has."""
+
+    def allocate(self, request_id, num_tokens, prefix=None):
+        new = super().allocate(request_id, num_tokens, prefix)
+        self.block_tables[request_id] = list(new)
+        return new
+
+
+def test_ex1_a_table_replaced_instead_of_grown_is_named_even_where_labkits_append_slot_stops():
+    _, messages = failing(1, ReplacesTable)
+    for name in (
+        "allocate adds only the blocks a request still lacks",
+        "a shared block stays in use until its last reference is freed",
+    ):
+        assert "append the new blocks to the end of the table the request already has" in messages[name]
+    text = messages["every allocation and free is recorded as a BlockEvent"]
+    assert "your code raised" not in text  # the IndexError is labkit's slot(), reached through the learner's allocate
+    assert "raises IndexError (list index out of range) in labkit's append_slot" in text
+    assert "block tables: {'a': [0, 1]}" in text and "block tables: {'a': []}" in text
+    assert "append the new blocks to the end of the table the request already has" in text
+
+
+class AppendSlotThroughBrokenAllocate(BlockAllocator):
+    """Right until append_slot calls allocate for one more token, where the learner's own code raises."""
+
+    def allocate(self, request_id, num_tokens, prefix=None):
+        if request_id in self.num_slots and num_tokens == self.num_slots[request_id] + 1:
+            return self.missing_attribute
+        return super().allocate(request_id, num_tokens, prefix)
+
+
+def test_ex1_the_learners_own_error_inside_append_slot_stays_the_learners():
+    _, messages = failing(1, AppendSlotThroughBrokenAllocate)
+    text = messages["every allocation and free is recorded as a BlockEvent"]
+    assert "your code raised AttributeError" in text and "in labkit's append_slot" not in text
+
+
 class TwoArgumentAllocate(BlockAllocator):
     """Right in every direct call, but declares allocate(request_id, num_tokens) without the engine's prefix."""
 

@@ -7,11 +7,12 @@ the free queue but in another order is named as such, whichever case it turns up
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 from labkit.core.blocks import BlockAllocator, NoFreeBlocksError
 from labkit.exercises.engine_runs import MAX_STEPS
-from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing
+from labkit.exercises.framework import Case, Exercise, Mismatch, _is_learner, property_case, showing
 
 # ("allocate", request, num_tokens), ("free", request), ("append_slot", request), ("share", ...), ("step", n)
 Op = tuple[Any, ...]
@@ -45,7 +46,13 @@ def _state(allocator: Any) -> dict[str, Any]:
 
 
 def _show(value: Any) -> str:
+    if isinstance(value, LabkitRaised):
+        return f"raises {value}"
     return f"raises {value.__name__}" if isinstance(value, type) else f"returns {value!r}"
+
+
+class LabkitRaised(Exception):
+    """An error raised inside one of labkit's own methods (append_slot) because of what the learner's allocate did."""
 
 
 def _op_text(op: Op) -> str:
@@ -73,14 +80,42 @@ NUM_SLOTS_HINT = (
 )
 
 
+REF_COUNT_HINT = (
+    "self.ref_counts[block] is how many requests hold the block: allocate sets it to 1 for each block it takes"
+    " from the free queue, and free subtracts 1 for each of the request's blocks, giving a block back only when"
+    " its count reaches 0"
+)
+
+
+GROW_TABLE_HINT = (
+    "allocate grows the request's block table: append the new blocks to the end of the table the request"
+    " already has, instead of replacing the table with them (the earlier blocks still hold its first tokens)"
+)
+
+
+def _replaced_table(op: Op, want: dict[str, Any], have: dict[str, Any]) -> bool:
+    """Whether the request's table after ``op`` is only the tail of labkit's: its older blocks were dropped."""
+    if op[0] not in ("allocate", "append_slot"):
+        return False
+    theirs, mine = want["block tables"].get(op[1]), have["block tables"].get(op[1])
+    if theirs is None or mine is None or len(mine) >= len(theirs):
+        return False
+    return theirs[len(theirs) - len(mine) :] == mine
+
+
 def _named_hint(
     op: Op, same_return: bool, differ: list[str], want: dict[str, Any], have: dict[str, Any], hint: str
 ) -> str:
-    """The case's hint, unless the difference itself names the mistake: num_slots alone, or the free queue's order."""
+    """The case's hint, unless the difference itself names the mistake: a table replaced instead of grown, num_slots
+    alone, the reference counts alone, or the free queue's order."""
+    if "block tables" in differ and _replaced_table(op, want, have):
+        return GROW_TABLE_HINT
     if not same_return:
         return hint
     if differ == ["num_slots"]:
         return NUM_SLOTS_HINT
+    if differ == ["ref counts"]:
+        return REF_COUNT_HINT
     if op[0] == "free" and differ == ["free queue"] and sorted(want["free queue"]) == sorted(have["free queue"]):
         return FREE_ORDER_HINT
     return hint
@@ -93,7 +128,17 @@ def replay(cls: Any, num_blocks: int, block_size: int, ops: list[Op], hint: str,
     for op in ops:
         done.append(_op_text(op))
         showing("\n".join(done))
-        expected, got = _apply(ref, op), _apply(mine, op)
+        expected = _apply(ref, op)
+        try:
+            got = _apply(mine, op)
+        except Exception as error:  # raised in labkit's own append_slot, which calls the learner's allocate
+            frames = traceback.extract_tb(error.__traceback__)
+            if op[0] != "append_slot" or (frames and _is_learner(frames[-1])):  # the learner's own error: theirs
+                raise
+            got = LabkitRaised(
+                f"{type(error).__name__} ({error}) in labkit's append_slot, which calls your"
+                " allocate(request_id, num_slots + 1) and then looks the new token's block up in the block table"
+            )
         want, have = _state(ref), _state(mine)
         if events:
             want["events"], have["events"] = (

@@ -350,6 +350,42 @@ def test_ex2_planted_mistakes_are_named():
     assert "every one of its tokens goes to scratch_slot" in padding["padding rows write to the scratch slot"]
 
 
+def slots_adding_the_position(segments, block_size, scratch):
+    """block_table[p // block_size] * block_size + p: the position in place of its offset in the block."""
+    return [
+        s.block_table[p // block_size] * block_size + p if s.writes_cache else scratch
+        for s in segments
+        for p in range(s.start, s.start + s.num_tokens)
+    ]
+
+
+def slots_a_block_early_on_a_boundary(segments, block_size, scratch):
+    """block_table[(p - 1) // block_size]: a position on a block boundary goes to the block before."""
+    return [
+        s.block_table[(p - 1) // block_size] * block_size + p % block_size if s.writes_cache else scratch
+        for s in segments
+        for p in range(s.start, s.start + s.num_tokens)
+    ]
+
+
+def slots_without_padding(segments, block_size, scratch):
+    return slot_mapping([s for s in segments if s.writes_cache], block_size, scratch)
+
+
+def test_ex2_the_position_for_its_offset_a_boundary_and_missing_padding_are_named():
+    _, position = failing(2, slots_adding_the_position)
+    assert (
+        "add the position p inside its block, not its offset p % block_size"
+        in position["a decode token is found through the block table"]
+    )
+    text = position["a chunk that starts mid-block begins at its start position"]
+    assert "start + i, not i" not in text  # this learner did start from s.start: that rule is not named as broken
+    _, boundary = failing(2, slots_a_block_early_on_a_boundary)
+    assert "Every wrong slot is at a position on a block boundary" in boundary["a prompt crosses block boundaries"]
+    _, padding = failing(2, slots_without_padding)
+    assert "you returned 1 slot for 4 packed tokens" in padding["padding rows write to the scratch slot"]
+
+
 def test_ex2_a_tensor_in_place_of_a_list_is_named():
     _, messages = failing(
         2, lambda segments, block_size, scratch: torch.tensor(slot_mapping(segments, block_size, scratch))

@@ -40,7 +40,12 @@ def compare(fn: Any, raw: list[tuple[int, int, list[int], bool]], block_size: in
             f" not a {kind}" + (": tensor.tolist() makes one" if kind == "Tensor" else ""),
         )
     if got != expected:
-        if len(got) == len(expected):
+        if len(got) != len(expected):
+            hint = (
+                f"you returned {len(got)} slot{'s' * (len(got) != 1)} for {len(expected)} packed tokens: one slot"
+                f" per token of every segment, padding included (sum(s.num_tokens for s in segments)). {hint}"
+            )
+        else:
             first = next(i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if a != b)
             segment, where = _token_at(segments, first)
             if segment.writes_cache and FORMULA not in hint:  # a real token is wrong: the formula is the rule broken
@@ -56,7 +61,8 @@ def _diagnose(segments: list[Any], block_size: int, got: list[int]) -> str:
 
     Each mistake is replayed on labkit's slot_mapping with the segments changed to match it; one that cannot
     run on these segments (a padding segment's table is too short to write through) is skipped, since an
-    error there is labkit's, not the learner's.
+    error there is labkit's, not the learner's. Two more are named from the slots themselves: the position added
+    in place of its offset in the block, and a wrong block for exactly the positions on a block boundary.
     """
     from labkit.runtime.attention import slot_mapping
 
@@ -80,7 +86,30 @@ def _diagnose(segments: list[Any], block_size: int, got: list[int]) -> str:
             continue
         if would_give == got:
             return text
+    if got == _slots_with_positions(segments, block_size):
+        return "Your slots add the position p inside its block, not its offset p % block_size. "
+    expected = slot_mapping(segments, block_size, SCRATCH)
+    wrong = [p for p, a, b in zip(_positions(segments), expected, got, strict=True) if a != b]
+    if block_size > 1 and all(p is not None and p % block_size == 0 for p in wrong):
+        return (
+            "Every wrong slot is at a position on a block boundary (p % block_size == 0): position k * block_size"
+            " is the first slot of block_table[k], not a slot of the block before or after. "
+        )
     return ""
+
+
+def _slots_with_positions(segments: list[Any], block_size: int) -> list[int]:
+    """The slot mapping with the position p in place of its offset p % block_size: a classic mistake."""
+    return [
+        s.block_table[p // block_size] * block_size + p if s.writes_cache else SCRATCH
+        for s in segments
+        for p in range(s.start, s.start + s.num_tokens)
+    ]
+
+
+def _positions(segments: list[Any]) -> list[int | None]:
+    """The position of every packed token, None for a padding one."""
+    return [s.start + k if s.writes_cache else None for s in segments for k in range(s.num_tokens)]
 
 
 def _token_at(segments: list[Any], row: int) -> tuple[Any, str]:
@@ -132,7 +161,7 @@ CASES = [
         "a chunk that starts mid-block begins at its start position",
         [(5, 6, [1, 4, 2], True)],
         4,
-        f"token i of a segment is at position start + i, not i. {FORMULA}",
+        f"a segment's tokens are positions start, start + 1, ..., so its first token may sit mid-block. {FORMULA}",
     ),
     _case(
         "a packed step concatenates its segments in order",

@@ -7,12 +7,11 @@ the free queue but in another order is named as such, whichever case it turns up
 
 from __future__ import annotations
 
-import traceback
 from typing import Any
 
 from labkit.core.blocks import BlockAllocator, NoFreeBlocksError
 from labkit.exercises.engine_runs import MAX_STEPS
-from labkit.exercises.framework import Case, Exercise, Mismatch, _is_learner, property_case, showing
+from labkit.exercises.framework import Case, Exercise, Mismatch, learner_frames, property_case, showing
 
 # ("allocate", request, num_tokens), ("free", request), ("append_slot", request), ("share", ...), ("step", n)
 Op = tuple[Any, ...]
@@ -132,8 +131,7 @@ def replay(cls: Any, num_blocks: int, block_size: int, ops: list[Op], hint: str,
         try:
             got = _apply(mine, op)
         except Exception as error:  # raised in labkit's own append_slot, which calls the learner's allocate
-            frames = traceback.extract_tb(error.__traceback__)
-            if op[0] != "append_slot" or (frames and _is_learner(frames[-1])):  # the learner's own error: theirs
+            if op[0] != "append_slot" or learner_frames(error):  # raised in the learner's own code: theirs
                 raise
             got = LabkitRaised(
                 f"{type(error).__name__} ({error}) in labkit's append_slot, which calls your"

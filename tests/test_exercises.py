@@ -315,6 +315,37 @@ def test_ex1_a_leaky_free_inside_the_engine_is_stopped_and_named():
     assert "requests unfinished after 400 steps" in text and "or the cache runs dry" in text
 
 
+class TakesOneBlockTooMany(BlockAllocator):
+    """Takes one block more than it needs off the free queue whenever it takes any, and records only those it needs."""
+
+    def allocate(self, request_id, num_tokens, prefix=None):
+        new = super().allocate(request_id, num_tokens, prefix)
+        if new and self.free_blocks:
+            self.free_blocks.popleft()
+        return new
+
+
+class RecordsOnlyTheFirstNewBlock(BlockAllocator):
+    """Takes the blocks it needs off the free queue, but appends only the first of them to the request's table."""
+
+    def allocate(self, request_id, num_tokens, prefix=None):
+        new = super().allocate(request_id, num_tokens, prefix)
+        del self.block_tables[request_id][len(self.block_tables[request_id]) - len(new) + 1 :]
+        return new
+
+
+@pytest.mark.parametrize("planted", [TakesOneBlockTooMany, RecordsOnlyTheFirstNewBlock])
+def test_ex1_blocks_that_allocate_loses_are_named_as_allocates_not_frees(planted):
+    _, messages = failing(1, planted)
+    text = messages["inside the engine, the allocator serves requests through preemptions and gets every block back"]
+    assert re.search(r"got: +after allocate\(\d+, \d+\) in step 1, block \d+ is in neither the free queue", text)
+    assert "allocate took block" in text and "append each one you take to the end of the request's table" in text
+    assert "free must give every block" not in text
+    text = messages["a block freed now is handed out after every block already free"]  # a replayed case
+    assert "allocate('a', 4)" in text and "free('a')" not in text
+    assert "without putting it in a block table" in text and "first in, first out" not in text
+
+
 # ------------------------------------------------------------------ exercise 2
 def slots_from_zero(segments, block_size, scratch):
     return slot_mapping([s._replace(start=0) for s in segments], block_size, scratch)

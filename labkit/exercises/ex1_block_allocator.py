@@ -2,7 +2,9 @@
 
 Every case replays a list of operations on the learner's allocator and on labkit's BlockAllocator and
 compares, after each one, what came back and the allocator's state. A free that leaves the right blocks in
-the free queue but in another order is named as such, whichever case it turns up in.
+the free queue but in another order is named as such, whichever case it turns up in, and so is an allocate that
+takes blocks off the free queue into no block table: inside the engine too, where the cache then runs dry as if
+free had lost them.
 """
 
 from __future__ import annotations
@@ -92,6 +94,27 @@ GROW_TABLE_HINT = (
 )
 
 
+LOST_BLOCKS_HINT = (
+    "allocate took {blocks} off the free queue without putting {it} in a block table, so no free can give {it}"
+    " back: take exactly self.blocks_needed(request_id, num_tokens) blocks and append each one you take to the"
+    " end of the request's table"
+)
+
+
+def _lost(free_queue: Any, tables: Any, num_blocks: int) -> list[int]:
+    """The blocks in neither the free queue nor any block table: taken, and out of reach of every free."""
+    held = set(free_queue).union(*tables)
+    return [block for block in range(num_blocks) if block not in held]
+
+
+def _blocks(blocks: list[int]) -> str:
+    return f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks}"
+
+
+def _lost_hint(lost: list[int]) -> str:
+    return LOST_BLOCKS_HINT.format(blocks=_blocks(lost), it="it" if len(lost) == 1 else "them")
+
+
 def _replaced_table(op: Op, want: dict[str, Any], have: dict[str, Any]) -> bool:
     """Whether the request's table after ``op`` is only the tail of labkit's: its older blocks were dropped."""
     if op[0] not in ("allocate", "append_slot"):
@@ -105,10 +128,13 @@ def _replaced_table(op: Op, want: dict[str, Any], have: dict[str, Any]) -> bool:
 def _named_hint(
     op: Op, same_return: bool, differ: list[str], want: dict[str, Any], have: dict[str, Any], hint: str
 ) -> str:
-    """The case's hint, unless the difference itself names the mistake: a table replaced instead of grown, num_slots
-    alone, the reference counts alone, or the free queue's order."""
+    """The case's hint, unless the difference itself names the mistake: a table replaced instead of grown, blocks
+    that allocate took into no table, num_slots alone, the reference counts alone, or the free queue's order."""
     if "block tables" in differ and _replaced_table(op, want, have):
         return GROW_TABLE_HINT
+    lost = _lost(have["free queue"], have["block tables"].values(), len(have["ref counts"]))
+    if op[0] in ("allocate", "append_slot") and lost:  # the state before op was labkit's, which loses none
+        return _lost_hint(lost)
     if not same_return:
         return hint
     if differ == ["num_slots"]:
@@ -185,6 +211,34 @@ ENGINE_HINT = (
 )
 
 
+def _watch_allocate(allocator: Any) -> list[tuple[str, str, str]]:
+    """Make ``allocator``'s allocate note its first call that does not grow the request's table from the one it had,
+    or after which blocks are in neither the free queue nor a block table: (expected, got, hint), in the list
+    returned."""
+    found: list[tuple[str, str, str]] = []
+    allocate = allocator.allocate
+
+    def lost() -> list[int]:
+        return _lost(allocator.free_blocks, allocator.block_tables.values(), allocator.num_blocks)
+
+    def watched(request_id: Any, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        table, before = list(allocator.block_tables.get(request_id, ())), lost()
+        try:
+            return allocate(request_id, num_tokens, *args, **kwargs)
+        finally:
+            call = f"allocate({request_id!r}, {num_tokens}) in step {allocator.step}"
+            now, taken = allocator.block_tables.get(request_id, []), [b for b in lost() if b not in before]
+            if not found and now[: len(table)] != table:
+                found.append((f"{call} grows the table {table}", f"{call} left the table {now}", GROW_TABLE_HINT))
+            elif not found and taken:
+                where = f"{'is' if len(taken) == 1 else 'are'} in neither the free queue nor a block table"
+                want = "every block that allocate takes from the free queue in a block table"
+                found.append((want, f"after {call}, {_blocks(taken)} {where}", _lost_hint(taken)))
+
+    allocator.allocate = watched
+    return found
+
+
 def serves_in_the_engine(cls: Any) -> None:
     """Serve a few requests on the simulated model with ``cls`` and with labkit's allocator; compare the outcome.
 
@@ -210,10 +264,17 @@ def serves_in_the_engine(cls: Any) -> None:
     reference = Engine(SimulatedModel(), config)
     want = [(o.output_token_ids, o.metrics.num_preemptions) for o in reference.generate(prompts, params)]
     engine = Engine(SimulatedModel(), config, allocator_cls=cls)
+    leaks = _watch_allocate(engine.allocator)  # a block that allocate loses is named as allocate's, not free's
     ids = [engine.add_request(prompt, params) for prompt in prompts]
     steps = 0  # labkit's allocator takes 26; one that loses blocks can leave a request waiting for ever
     while engine.has_unfinished() and steps < MAX_STEPS:
-        engine.step()
+        try:
+            engine.step()
+        except Exception:
+            if not leaks:
+                raise
+        if leaks:  # what allocate lost comes first, also when the step then stopped on it
+            raise Mismatch(setup, *leaks[0])
         steps += 1
     if engine.has_unfinished():
         raise Mismatch(

@@ -921,6 +921,11 @@ def sorted_blocks(q, k, v, table, context_len, scale):
 
 
 def whole_last_block(q, k, v, table, context_len, scale):
+    return paged_attention(q, k, v, table, -(-context_len // k.shape[2]) * k.shape[2], scale)
+
+
+def every_block_in_table(q, k, v, table, context_len, scale):
+    """Reads every block the table lists, as if the context ended with the table's last slot."""
     return paged_attention(q, k, v, table, len(table) * k.shape[2], scale)
 
 
@@ -979,6 +984,35 @@ def test_ex5_a_named_mistake_replaces_the_hints_of_the_cases_it_breaks():
     _, messages = failing(5, sorted_blocks)
     text = messages["grouped-query attention: query heads share KV heads"]
     assert "reading the blocks in sorted order" in text and "repeat_interleave" not in text
+
+
+def trims_the_last_block(q, k, v, table, context_len, scale):
+    """Reads the whole table, less the last block's slots past the context: right only where the table ends there."""
+    block_size = k.shape[2]
+    unused = -context_len % block_size
+    return paged_attention(q, k, v, table, len(table) * block_size - unused, scale)[:, -q.shape[1] :]
+
+
+def test_ex5_a_table_read_to_its_end_fails_where_it_lists_blocks_reserved_ahead():
+    text = only_failure(5, trims_the_last_block, "a block table reserved ahead lists blocks past the context")
+    assert "the table's last 2 blocks are reserved ahead, past the context" in text
+    assert "a static batch reserves its blocks up front" in text
+    assert "read its first ceil(context_len / block_size) blocks" in text
+
+
+def test_ex5_blocks_reserved_past_the_context_are_named_not_blamed_on_the_last_block():
+    result, messages = failing(5, every_block_in_table)
+    for failure in result.failures:  # where the table ends with the context, reading it all is the last block's
+        reserved = "reserved ahead" in failure.input
+        named = "reading every block of block_table" if reserved else "reading every slot of the last block"
+        assert failure.hint.startswith(f"Your output is what {named}"), failure.message()
+    text = messages["a block table reserved ahead lists blocks past the context"]
+    assert "block_table=[3, 8, 10, 0, 1], context_len=10" in text
+    assert "reading every block of block_table (len(block_table) * block_size positions" in text
+    assert "read its first ceil(context_len / block_size) blocks" in text and "of the last block" not in text
+    _, messages = failing(5, whole_last_block)  # reads the context's blocks only: the reserved ones are not named
+    text = messages["a block table reserved ahead lists blocks past the context"]
+    assert "reading every slot of the last block" in text and "every block of block_table" not in text
 
 
 def keys_in_head_order(q, k, v, table, context_len, scale):

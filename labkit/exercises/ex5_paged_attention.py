@@ -2,7 +2,8 @@
 
 Each case writes a request's keys and values into a cache of shuffled blocks, fills every other slot
 with noise of the same size (so reading a slot that is not the request's shows, while bfloat16 rounds a
-wrong output no more than a right one), and compares the learner's output with dense causal attention over
+wrong output no more than a right one; one case's table also lists blocks reserved past the context, as a
+static batch's does), and compares the learner's output with dense causal attention over
 the same keys and values, computed in float32 (one case hands the learner bfloat16 tensors, as a model
 served in bfloat16 does). A wrong output is compared with what each classic mistake would give
 (:data:`MISTAKES`): one bug breaks several cases, and each of them then names that bug, and only it.
@@ -24,15 +25,24 @@ SCALE = 0.25
 
 
 def scenario(
-    num_heads: int, num_kv_heads: int, context_len: int, num_queries: int, block_size: int, seed: int
+    num_heads: int,
+    num_kv_heads: int,
+    context_len: int,
+    num_queries: int,
+    block_size: int,
+    seed: int,
+    reserved_blocks: int = 0,
 ) -> dict[str, Any]:
-    """A paged cache holding one request's context, its block table, and the dense keys/values it stores."""
+    """A paged cache holding one request's context, its block table, and the dense keys/values it stores.
+
+    ``reserved_blocks`` more blocks end the table, past the context: reserved ahead, holding only noise.
+    """
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    head_dim, num_blocks = 8, 3 + 2 * -(-context_len // block_size)
+    head_dim, num_blocks = 8, 3 + 2 * -(-context_len // block_size) + reserved_blocks
     used = -(-context_len // block_size)
-    table = torch.randperm(num_blocks, generator=gen)[:used].tolist()
+    table = torch.randperm(num_blocks, generator=gen)[: used + reserved_blocks].tolist()
     keys = torch.randn(num_kv_heads, context_len, head_dim, generator=gen)
     values = torch.randn(num_kv_heads, context_len, head_dim, generator=gen)
     key_cache = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen)  # noise
@@ -118,6 +128,21 @@ def _context(s: dict[str, Any]) -> int:
     return s["context_len"]
 
 
+def _context_blocks(s: dict[str, Any]) -> int:
+    """The positions in the blocks that hold the context: every slot of its last block included."""
+    block_size = s["key_cache"].shape[2]
+    return -(-s["context_len"] // block_size) * block_size
+
+
+def _whole_table(s: dict[str, Any]) -> int:
+    """The positions in every block of the table; IndexError when the table has no block past the context, where
+    reading it all is reading every slot of the last block (a mistake of its own)."""
+    positions = len(s["block_table"]) * s["key_cache"].shape[2]
+    if positions == _context_blocks(s):
+        raise IndexError("the table has no block past the context")
+    return positions
+
+
 def _head_dim(s: dict[str, Any]) -> int:
     return s["query"].shape[-1]
 
@@ -142,7 +167,13 @@ MISTAKES = [
     Mistake(
         "reading every slot of the last block (context_len ignored)",
         "keep the first context_len positions; the rest of the last block holds no token of this request",
-        _reading(list, lambda s: len(s["block_table"]) * s["key_cache"].shape[2]),
+        _reading(list, _context_blocks),
+    ),
+    Mistake(
+        "reading every block of block_table (len(block_table) * block_size positions, context_len ignored)",
+        "block_table may end with blocks reserved ahead, past the context: read its first"
+        " ceil(context_len / block_size) blocks and keep the first context_len positions",
+        _reading(list, _whole_table),
     ),
     Mistake(
         "reading context_len + 1 positions",
@@ -208,8 +239,9 @@ MISTAKES = [
 def diagnose(s: dict[str, Any], scale: float, got: Any, expected: Any, tolerance: float) -> str:
     """Name the classic mistakes whose replay on this case's float32 inputs ``s`` gives the learner's output.
 
-    A replay that cannot run on these inputs (reading past the table's last block) is skipped, since an
-    error there is labkit's, not the learner's; one that gives the right answer here cannot be what broke.
+    A replay that cannot run on these inputs (reading past the table's last block, or reading the whole of a
+    table that ends with the context) is skipped, since an error there is labkit's, not the learner's; one that
+    gives the right answer here cannot be what broke.
     """
     found = []
     for mistake in MISTAKES:
@@ -245,6 +277,7 @@ def compare(
     seed: int = 0,
     scale: float = SCALE,
     dtype: str = "float32",
+    reserved_blocks: int = 0,
 ) -> None:
     """Run ``fn`` on a scenario whose tensors are in ``dtype``; Mismatch unless it matches dense attention.
 
@@ -254,7 +287,7 @@ def compare(
     """
     import torch
 
-    s = scenario(heads, kv_heads, context, queries, block_size, seed)
+    s = scenario(heads, kv_heads, context, queries, block_size, seed, reserved_blocks)
     tensors = ("query", "key_cache", "value_cache", "keys", "values")
     s.update({name: s[name].to(getattr(torch, dtype)) for name in tensors})
     exact = {**s, **{name: s[name].float() for name in tensors}}
@@ -264,6 +297,11 @@ def compare(
         f"query (H={heads}, Q={queries}, D=8); key_cache/value_cache (KV={kv_heads}, blocks={s['key_cache'].shape[1]},"
         f" block_size={block_size}, D=8)\nblock_table={s['block_table']}, context_len={context}, scale={scale}"
         + ("" if dtype == "float32" else f"\nquery, key_cache and value_cache are torch.{dtype}")
+        + (
+            f"\nthe table's last {reserved_blocks} blocks are reserved ahead, past the context"
+            if reserved_blocks
+            else ""
+        )
     )
     showing(text)
     with torch.no_grad():
@@ -356,6 +394,11 @@ CONTEXT_HINT = (
     "read exactly the first context_len positions: the request's last block is only partly filled, and"
     " the slots after position context_len - 1 are not written yet and hold stale keys from an earlier owner"
 )
+RESERVED_HINT = (
+    "block_table may list more blocks than the context fills (a static batch reserves its blocks up front):"
+    " read its first ceil(context_len / block_size) blocks and keep the first context_len positions; the blocks"
+    " after them hold no token of this request yet"
+)
 CASES = [
     _case(
         "one decode query over whole blocks",
@@ -375,6 +418,17 @@ CASES = [
         context=10,
         queries=1,
         block_size=4,
+    ),
+    _case(
+        "a block table reserved ahead lists blocks past the context",
+        RESERVED_HINT,
+        heads=2,
+        kv_heads=2,
+        context=10,
+        queries=1,
+        block_size=4,
+        seed=2,
+        reserved_blocks=2,
     ),
     _case(
         "blocks are read in block-table order",

@@ -278,6 +278,9 @@ def test_ex1_a_table_replaced_instead_of_grown_is_named_even_where_labkits_appen
     assert "raises IndexError (list index out of range) in labkit's append_slot" in text
     assert "block tables: {'a': [0, 1]}" in text and "block tables: {'a': []}" in text
     assert "append the new blocks to the end of the table the request already has" in text
+    text = messages["inside the engine, the allocator serves requests through preemptions and gets every block back"]
+    assert "grows the table [0]" in text and "left the table []" in text and "free must give" not in text
+    assert "append the new blocks to the end of the table the request already has" in text
 
 
 class AppendSlotThroughBrokenAllocate(BlockAllocator):

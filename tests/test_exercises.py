@@ -1297,6 +1297,40 @@ def test_ex6_a_sampler_on_a_shared_generator_is_named_in_every_case():
     assert "the filters keep the right tokens" not in "".join(messages.values())
 
 
+class TopPInVocabularyOrder(RowByRow):
+    """Takes the top_p cut's cumulative mass in vocabulary order; the walk is in decreasing probability."""
+
+    def nucleus(self, probs, order, keep, top_p):
+        return super().nucleus(probs, range(len(order)), keep, top_p)
+
+
+class TopPMaskBeforeSorting(Sampler):
+    """Masks the nucleus on the unsorted probabilities (cumsum in vocabulary order), then sorts to walk."""
+
+    def sample_rows(self, logits, temperature, top_k, top_p, uniform):
+        logits = logits / temperature[:, None]
+        rank = logits.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+        logits = logits.masked_fill((top_k[:, None] > 0) & (rank >= top_k[:, None]), float("-inf"))
+        probs = logits.softmax(dim=-1)
+        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p[:, None], 0.0)
+        probs, ids = probs.sort(dim=-1, descending=True, stable=True)
+        cdf = probs.double().cumsum(dim=-1)
+        index = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp_(max=probs.shape[-1] - 1)
+        return ids.gather(1, index).squeeze(1)
+
+
+@pytest.mark.parametrize("planted", [TopPInVocabularyOrder, TopPMaskBeforeSorting])
+def test_ex6_a_top_p_cut_in_vocabulary_order_is_told_to_sort_by_probability_first(planted):
+    _, messages = failing(6, planted)
+    assert list(messages) == [
+        "top_p keeps the most likely tokens, wherever they sit in the vocabulary",
+        "random rows draw like labkit's sampler",
+    ]
+    text = messages["top_p keeps the most likely tokens, wherever they sit in the vocabulary"]
+    assert "your sampler drew token(s) [0], which the filters remove" in text
+    assert "take top_p's cumulative mass in decreasing probability, not in vocabulary order" in text
+
+
 def test_a_property_case_whose_implementation_answers_differently_is_named_not_a_hypothesis_error():
     from hypothesis import strategies as st
 

@@ -286,6 +286,11 @@ CDF_HINT = (
     " cumulative probability exceeds uniform times the kept mass. Each token's share is the same in either"
     " order, but not the token a given uniform draws, and a seeded request must draw labkit's tokens"
 )
+TOP_P_ORDER_HINT = (
+    "take top_p's cumulative mass in decreasing probability, not in vocabulary order: sort first (keeping the"
+    " token ids, e.g. torch.sort's indices), then drop a token when the mass of the more likely tokens before it"
+    " is already >= top_p. Cut in vocabulary order, the nucleus is whichever tokens come first, not the most likely"
+)
 STEPS_HINT = (
     "labkit's steps, in order: divide the logits by the temperature; keep the top_k most likely; softmax; keep"
     " the top_p nucleus of what is left; walk the kept tokens in decreasing probability until the cumulative"
@@ -314,6 +319,15 @@ CASES = [
     distribution_case("top_k keeps the k most likely tokens", TOP_K_HINT, [0.1, 0.4, 0.2, 0.3], 1.0, 2, 1.0),
     distribution_case("top_p keeps the smallest nucleus that reaches top_p", TOP_P_HINT, PROBS, 1.0, 0, 0.75),
     distribution_case("top_p always keeps the most likely token", TOP_P_HINT, PROBS, 1.0, 0, 0.01),
+    distribution_case(
+        "top_p keeps the most likely tokens, wherever they sit in the vocabulary",
+        TOP_P_ORDER_HINT,
+        [0.1, 0.4, 0.2, 0.3],
+        1.0,
+        0,
+        0.75,
+        prerequisites=[("the inverse CDF walks the tokens in decreasing probability", (1.0, 0, 1.0))],
+    ),
     tie_case(
         "top_k keeps exactly k tokens, even among equal ones",
         TOP_K_TIE_HINT,

@@ -142,7 +142,7 @@ def test_throughput_saves_after_each_method_so_a_stalled_baseline_loses_nothing(
     assert "stopped before finishing" in part["transformers generate_batch"]["error"]
 
 
-@pytest.mark.parametrize(("left", "limit"), [(float("inf"), 60.0), (100.0, 60.0), (-5.0, 40.0), (-200.0, 10.0)])
+@pytest.mark.parametrize(("left", "limit"), [(float("inf"), 60.0), (100.0, 60.0), (-5.0, 40.0), (-45.0, 10.0)])
 def test_a_late_throughput_part_gives_transformers_only_what_the_budget_leaves(
     gpu_check, monkeypatch, left: float, limit: float
 ) -> None:
@@ -154,6 +154,48 @@ def test_a_late_throughput_part_gives_transformers_only_what_the_budget_leaves(
     workload = [SimpleNamespace(prompt=[5, 6, 7], max_new_tokens=2)]
     gpu_check.throughput(None, settings, workload, {}, seconds_left=lambda: left)
     assert gpu_check.OVERRUN_S == 45.0 and limits == [limit]
+
+
+def test_methods_that_would_start_well_past_the_budget_are_skipped(gpu_check, monkeypatch) -> None:
+    """Slow labkit runs may carry the last part far past --budget: what would start then is skipped, not run."""
+    clock = iter([0.0, -30.0, -50.0, -60.0])  # seconds left before each method
+    ran: list[str] = []
+    monkeypatch.setattr(gpu_check, "run_labkit", lambda *args, **kwargs: ran.append(args[3]) or {"tokens_per_s": 1.0})
+    monkeypatch.setattr(gpu_check, "run_transformers", lambda *args: ran.append("hf") or {})
+    part: dict = {}
+    workload = [SimpleNamespace(prompt=[5, 6, 7], max_new_tokens=2)]
+    gpu_check.throughput(None, SimpleNamespace(hf_time_limit=None), workload, part, seconds_left=lambda: next(clock))
+    assert ran == ["continuous", "continuous"]
+    assert (
+        part["labkit static"]
+        == part["transformers generate_batch"]
+        == {"skipped": "it would start more than 45 s past the time budget"}
+    )
+
+
+def test_the_profile_counts_each_kernel_once_and_no_host_op(gpu_check) -> None:
+    """A host op (aten::mm) reports the time of the kernels it launched as its own device time: counting it as
+    well would count every matmul twice and halve attention's share."""
+    from torch.autograd import DeviceType
+
+    def event(key: str, device_type: DeviceType, us: float, annotation: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(
+            key=key, device_type=device_type, is_user_annotation=annotation, self_device_time_total=us, count=4
+        )
+
+    events = [
+        event("aten::mm", DeviceType.CPU, 2000.0),
+        event("nvjet_tst_128x64_gemm", DeviceType.CUDA, 2000.0),
+        event("_paged_attention_kernel", DeviceType.CUDA, 600.0),
+        event("_merge_splits_kernel", DeviceType.CUDA, 400.0),
+        event("decode step", DeviceType.CUDA, 5000.0, annotation=True),
+    ]
+    profile = gpu_check.top_kernels(SimpleNamespace(key_averages=lambda: events), torch.device("cuda"), steps=2)
+    assert profile["ms_per_step"] == pytest.approx(1.5)
+    assert profile["launches_per_step"] == 6
+    assert profile["by_kind_ms"] == pytest.approx({"matmul": 1.0, "attention": 0.5})
+    assert [row["name"] for row in profile["top"]] == ["nvjet_tst_128x64_gemm", "_paged_attention_kernel",
+                                                       "_merge_splits_kernel"]  # fmt: skip
 
 
 def test_the_gpu_run_names_tests_that_exist() -> None:

@@ -425,7 +425,8 @@ def test_launching_a_decode_step_does_not_wait_for_the_gpu(tiny_model: Any) -> N
     """On CUDA, launch() of a graph-replayed decode step never synchronises: the host runs ahead of the GPU."""
     model = tiny_model("qwen2", seed=1).to("cuda")
     engine = Engine(
-        model, EngineConfig(device="cuda", attention_backend="triton", async_scheduling=True, max_num_seqs=8)
+        model,
+        EngineConfig(device="cuda", attention_backend="triton", async_scheduling=True, max_num_seqs=8, num_blocks=256),
     )
     runner, launch, watched = engine.runner, engine.runner.launch, []
 

@@ -32,7 +32,8 @@ CAPTURE_BREAKERS = {
 
 
 def run(model: torch.nn.Module, prompts: list[list[int]], wanted: list[int], **options: object) -> tuple[Engine, list]:
-    config = EngineConfig(device="cuda", attention_backend="triton", **options)
+    # A cache of a fixed size: sized from a large GPU's free memory it would take the kernel's 64-bit offsets.
+    config = EngineConfig(device="cuda", attention_backend="triton", **{"num_blocks": 1024, **options})
     engine = Engine(model, config)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in wanted]
     return engine, [o.output_token_ids for o in engine.generate(prompts, params)]
@@ -84,8 +85,9 @@ def test_same_tokens_after_preemption(model: torch.nn.Module) -> None:
 @needs_cuda
 def test_contexts_longer_than_at_capture(model: torch.nn.Module) -> None:
     """One engine, graphs captured once: short contexts first, then contexts of 700+ tokens (44+ blocks)."""
-    engine = Engine(model, EngineConfig(device="cuda", attention_backend="triton", max_num_seqs=8))
-    eager = Engine(model, EngineConfig(device="cuda", attention_backend="triton", max_num_seqs=8, use_cuda_graph=False))
+    options = dict(device="cuda", attention_backend="triton", max_num_seqs=8, num_blocks=1024)
+    engine = Engine(model, EngineConfig(**options))
+    eager = Engine(model, EngineConfig(use_cuda_graph=False, **options))
     for prompt_len, new in (((4, 8), 8), ((600, 700), 120)):
         prompts = workload(6, prompt_len, seed=prompt_len[0])
         params = SamplingParams(max_new_tokens=new, ignore_eos=True)
@@ -98,7 +100,7 @@ def test_a_graphed_step_whose_prompt_chunk_samples_nothing_does_not_wait_for_the
     """A budget of 4 tokens: three decodes and a long prompt fed one token a step, whose row samples nothing. The
     graph's logits are then picked by the header's sampling rows, already on the device; an index made from a
     Python list would be copied from pageable memory, which waits for the GPU (the sync debug mode raises)."""
-    options = dict(max_num_seqs=4, max_batch_tokens=4, block_size=8)
+    options = dict(max_num_seqs=4, max_batch_tokens=4, block_size=8, num_blocks=1024)
     prompts, wanted = [[5, 6, 7], [8, 9, 10], [11, 12, 13], workload(1, (40, 40))[0]], [40, 40, 40, 4]
     engine = Engine(model, EngineConfig(device="cuda", attention_backend="triton", **options))
     graphs, replay = engine.runner.graphs, engine.runner.graphs.run

@@ -252,6 +252,8 @@ def generate(
     model: torch.nn.Module, prompts: list[list[int]], wanted: list[int], **options: object
 ) -> tuple[list[list[int]], int]:
     """Greedy tokens of every request, and how many preemptions the run had."""
+    # A cache of a fixed size: sized from a large GPU's free memory it would take the kernel's 64-bit offsets.
+    options = {"num_blocks": 1024, **options}
     config = EngineConfig(block_size=8, max_batch_tokens=24, max_num_seqs=5, device=DEVICE.type, **options)
     engine = Engine(model, config)
     preempted = []
@@ -284,7 +286,8 @@ def test_graph_steps_with_static_padding_and_one_token_prompt_chunks_match_torch
     prompts = [[rng.randrange(3, 1024) for _ in range(n)] for n in (2, 2, 2, 9, 7, 8)]
     wanted = [14, 14, 14, 5, 3, 6]
     for policy, options in (("static", {}), ("continuous", {"max_batch_tokens": 4, "chunked_prefill": True})):
-        config = {"policy": policy, "block_size": 8, "max_num_seqs": 4, "device": DEVICE.type, **options}
+        config = {"policy": policy, "block_size": 8, "num_blocks": 1024, "max_num_seqs": 4, "device": DEVICE.type}
+        config |= options
         params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in wanted]
         expected = Engine(model, EngineConfig(attention_backend="torch", **config)).generate(prompts, params)
         engine = Engine(model, EngineConfig(attention_backend="triton", use_cuda_graph=True, **config))

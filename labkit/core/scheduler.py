@@ -381,14 +381,15 @@ class Scheduler:
                 i += 1  # does not fit whole: wait for a step with more room
                 continue
             end = request.num_computed_tokens + num_tokens
-            needed = allocator.blocks_needed(request.request_id, end)  # usually 0: decodes fill the last block
-            while needed and needed > allocator.num_free_blocks and end_of_running > i:
-                end_of_running -= 1
-                self.preempt(output, running[end_of_running])  # the most recently admitted, or lowest-ranked
-                preempted_for_blocks = True
-            if end_of_running == i:  # preempted itself: nothing younger was left
-                break
-            end_of_runnable = min(end_of_runnable, end_of_running)
+            needed = allocator.blocks_needed(request.request_id, end)
+            if needed:  # usually 0: decodes fill the last block
+                while needed > allocator.num_free_blocks and end_of_running > i:
+                    end_of_running -= 1
+                    self.preempt(output, running[end_of_running])  # the most recently admitted, or lowest-ranked
+                    preempted_for_blocks = True
+                if end_of_running == i:  # preempted itself: nothing younger was left
+                    break
+                end_of_runnable = min(end_of_runnable, end_of_running)
             allocator.allocate(request.request_id, end)
             output.add_chunk(request, request.num_computed_tokens, num_tokens, request.state is RequestState.PREFILLING)
             budget -= num_tokens

@@ -48,10 +48,12 @@ class MyBlockAllocator(BlockAllocator):
 
         Remove the request from ``self.block_tables`` and ``self.num_slots``; decrement the reference count of
         each of its blocks, and append a block whose count reaches 0 to the *end* of ``self.free_blocks``
-        (with a "free" event), in table order. The queue is first in, first out, as in vLLM: a block freed
-        now is handed out after every block already free, so the freshest keys and values, which a later
-        request may still hit with prefix caching, are overwritten last. Another request may still share a
-        block: then it stays in use.
+        (with a "free" event), in table order. The queue is first in, first out: a block freed now is handed
+        out after every block already free. (In vLLM the free queue is also the prefix cache's eviction order,
+        so the most recently freed keys and values, which a later request may still hit, are overwritten last;
+        labkit keeps cached blocks out of this queue, in ``PrefixCache.reusable``, so here the rule only fixes
+        which block comes next, as the checks expect.) Another request may still share a block: then it stays
+        in use.
         Freeing a request that has no block table (never allocated, or already freed) raises KeyError.
         """
         raise NotImplementedError("Exercise 1")

@@ -5,7 +5,7 @@ All of them share one budget, ``self.config.max_batch_tokens``. Fill in ``schedu
 state it reads and the helpers it calls are labkit's (``labkit.core.scheduler.Scheduler``):
 
 * ``self.running``: requests in the batch, in admission order; ``self.waiting``: the waiting queue, in arrival
-  order (iterate over it);
+  order except that a preempted request goes back to its front (iterate over it);
 * ``self.allocator``: the block allocator (``blocks_needed``, ``num_free_blocks``, ``can_allocate``, ``allocate``);
 * ``request.num_tokens`` (prompt + generated so far) and ``request.num_computed_tokens`` (already in the cache);
 * ``output.add_chunk(request, start, n, is_prefill)``: plan the request's tokens ``start .. start + n - 1``;
@@ -33,11 +33,13 @@ class MyScheduler(Scheduler):
            budget)`` tokens from ``request.num_computed_tokens`` on, where remaining is ``num_tokens -
            num_computed_tokens`` (1 for a decoding request; ``is_prefill`` is ``request.state is
            RequestState.PREFILLING``). Without
-           ``config.chunked_prefill`` a request whose remaining tokens do not fit is skipped this step. Grow
-           its blocks with ``allocator.allocate(request_id, num_computed_tokens + n)``; while it needs more
-           blocks than are free, preempt the youngest running request not yet preempted
+           ``config.chunked_prefill`` a request whose remaining tokens do not fit is skipped this step. First
+           make room: while ``allocator.blocks_needed(request_id, num_computed_tokens + n)`` is more than
+           ``allocator.num_free_blocks``, preempt the youngest running request not yet preempted
            (``self.preempt(output, victim)``; its blocks are free at once). If that victim was this request
            itself, it gets no chunk: stop the walk there (every younger request is preempted already).
+           Otherwise grow its blocks with ``allocator.allocate(request_id, num_computed_tokens + n)`` and plan
+           its chunk.
         2. Then, unless this step preempted (the victims' blocks are for the running requests, not for a
            newcomer), admit waiting requests from the front, in order, while the budget is positive,
            ``len(self.running) + len(output.admitted) < config.max_num_seqs``, the first chunk fits and the
@@ -51,7 +53,7 @@ class MyScheduler(Scheduler):
         keys and values into the blocks its victims gave up: ``self.evict_first`` lists those victims (the
         ``Request`` objects; empty unless the last plan was rolled back), and the ones not finished since
         (``request.state is not RequestState.FINISHED``) are the last of ``self.running``. In step 1, walk only
-        the running requests before them; after it, preempt each of them not yet preempted; such a step admits
-        nothing.
+        the running requests before them; after it, preempt each of them not yet preempted, youngest first (from the
+        end of ``self.running``); such a step admits nothing.
         """
         raise NotImplementedError("Exercise 3")

@@ -32,9 +32,9 @@ def paged_attention(
     ``q`` sees the keys at positions ``0 .. context_len - Q + q`` (causal), scaled by ``scale``; the H
     query heads share the KV heads in groups of H // KV (query head h uses KV head h // (H // KV)).
     Return (H, Q, D), in the query's dtype (``query.dtype``, e.g. bfloat16), on its device. Compute the
-    softmax in float32 (``softmax(dim=-1, dtype=torch.float32)``), as labkit does: bfloat16 keeps 8 bits of
-    mantissa, and a softmax that adds up its exponentials in it loses accuracy (torch's own adds up in float32
-    inside, so the check cannot tell the two apart). Make every tensor you create (the mask, block indices) with
+    softmax in float32 (``softmax(dim=-1, dtype=torch.float32)``), as labkit does: bfloat16 keeps 8 significant
+    bits (7 stored), and a softmax that adds up its exponentials in it loses accuracy (torch's own adds up in
+    float32 inside, so the check cannot tell the two apart). Make every tensor you create (the mask, block indices) with
     ``device=query.device``: the same code then runs on a GPU.
     """
     raise NotImplementedError("Exercise 5")

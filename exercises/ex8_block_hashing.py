@@ -13,8 +13,9 @@ that shares the blocks you find) is labkit's. The state you read, kept by ``Pref
   (``parent`` is the digest of the block before it, None for a first block; ``token_ids`` a tuple);
 * ``self.evicted``: digests once cached and since evicted (``digest in self.evicted``);
 * ``self.stale``: ids of cached blocks a failed engine step may have overwritten: never hand them out;
-* ``self.hashes(request, n)``: the digests of the request's first ``n`` full blocks, computed with *your*
-  ``block_hash`` and kept on the request;
+* ``self.hashes(request, n)``: the digests of at least the request's first ``n`` full blocks (all it has
+  computed so far, so it may return more: use the first ``n``), computed with *your* ``block_hash`` and kept
+  on the request;
 * ``request.num_tokens`` and ``request.tokens(start, end)``: its token ids so far, as a list (an entry's
   ``token_ids`` is a tuple, and a tuple never equals a list: compare like with like).
 
@@ -55,11 +56,11 @@ class MyPrefixCache(PrefixCache):
         * ``num_query_blocks`` is how many full blocks could be served: ``(request.num_tokens - 1) //
           self.block_size``, never the last token, which the model must compute to sample the next one.
           If it is 0, return no blocks with ``miss="short"``;
-        * walk the digests ``self.hashes(request, num_query_blocks)`` in order and look each up in
-          ``self.index``. A digest can collide, so an entry is a hit only if its ``token_ids`` are the block's
-          own tokens, its ``parent`` is the digest of the request's previous block (None for its first: the
-          same tokens after another prefix have other keys and values) and its ``block_id`` is not in
-          ``self.stale``; collect the hits' block ids;
+        * walk the first ``num_query_blocks`` digests of ``self.hashes(request, num_query_blocks)`` in order
+          and look each up in ``self.index``. A digest can collide, so an entry is a hit only if its
+          ``token_ids`` are the block's own tokens, its ``parent`` is the digest of the request's previous
+          block (None for its first: the same tokens after another prefix have other keys and values) and its
+          ``block_id`` is not in ``self.stale``; collect the hits' block ids;
         * stop at the first miss, with ``miss="evicted"`` if its digest is in ``self.evicted`` (or its entry's
           block is stale), otherwise ``"new"``; ``miss=None`` when every block that could be served hit.
         """

@@ -134,7 +134,8 @@ class PrefixCache:
         self._ticks = itertools.count()
 
     def hashes(self, request: Request, num_blocks: int) -> list[bytes]:
-        """The digests of ``request``'s first ``num_blocks`` full blocks, computed once and kept on the request."""
+        """The digests of at least ``request``'s first ``num_blocks`` full blocks: every one computed so far, each
+        computed once and kept on the request (so the list may be longer than ``num_blocks``)."""
         digests, size = request.block_hashes, self.block_size
         for index in range(len(digests), num_blocks):
             parent = digests[-1] if digests else None

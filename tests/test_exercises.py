@@ -349,6 +349,33 @@ def test_ex1_blocks_that_allocate_loses_are_named_as_allocates_not_frees(planted
     assert "without putting it in a block table" in text and "first in, first out" not in text
 
 
+class TakesThenRaises(BlockAllocator):
+    """Takes blocks off the free queue one at a time and raises when it runs dry, keeping what it took."""
+
+    def allocate(self, request_id, num_tokens, prefix=None):
+        taken = [self.free_blocks.popleft() for _ in range(min(self.blocks_needed(request_id, num_tokens),
+                                                                len(self.free_blocks)))]  # fmt: skip
+        if len(taken) < self.blocks_needed(request_id, num_tokens):
+            raise NoFreeBlocksError(f"{request_id!r} needs more blocks than are free")
+        self.free_blocks.extendleft(reversed(taken))
+        return super().allocate(request_id, num_tokens, prefix)
+
+
+def test_ex1_blocks_taken_before_allocate_raises_are_named_as_breaking_all_or_nothing():
+    _, messages = failing(1, TakesThenRaises)
+    assert sorted(messages) == [
+        "allocate is all or nothing when blocks run out",
+        "random allocate/free/append_slot sequences behave like labkit's allocator",
+    ]
+    assert (
+        "allocate took blocks [2, 3] off the free queue and then raised"
+        in messages["allocate is all or nothing when blocks run out"]
+    )
+    for text in messages.values():
+        assert "then raised: check that enough blocks are free before taking any" in text
+        assert "append each one you take" not in text
+
+
 # ------------------------------------------------------------------ exercise 2
 def slots_from_zero(segments, block_size, scratch):
     return slot_mapping([s._replace(start=0) for s in segments], block_size, scratch)

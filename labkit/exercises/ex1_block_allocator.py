@@ -111,7 +111,17 @@ def _blocks(blocks: list[int]) -> str:
     return f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks}"
 
 
-def _lost_hint(lost: list[int]) -> str:
+ALL_OR_NOTHING_HINT = (
+    "check that enough blocks are free before taking any: raise NoFreeBlocksError and leave the free queue"
+    " and the block tables exactly as they were"
+)
+
+
+def _lost_hint(lost: list[int], raised: bool = False) -> str:
+    """What to fix when ``lost`` blocks are in neither the free queue nor a table after allocate: taking blocks
+    and then raising breaks all-or-nothing; returning without recording them loses them."""
+    if raised:
+        return f"allocate took {_blocks(lost)} off the free queue and then raised: {ALL_OR_NOTHING_HINT}"
     return LOST_BLOCKS_HINT.format(blocks=_blocks(lost), it="it" if len(lost) == 1 else "them")
 
 
@@ -126,7 +136,7 @@ def _replaced_table(op: Op, want: dict[str, Any], have: dict[str, Any]) -> bool:
 
 
 def _named_hint(
-    op: Op, same_return: bool, differ: list[str], want: dict[str, Any], have: dict[str, Any], hint: str
+    op: Op, got: Any, same_return: bool, differ: list[str], want: dict[str, Any], have: dict[str, Any], hint: str
 ) -> str:
     """The case's hint, unless the difference itself names the mistake: a table replaced instead of grown, blocks
     that allocate took into no table, num_slots alone, the reference counts alone, or the free queue's order."""
@@ -134,7 +144,7 @@ def _named_hint(
         return GROW_TABLE_HINT
     lost = _lost(have["free queue"], have["block tables"].values(), len(have["ref counts"]))
     if op[0] in ("allocate", "append_slot") and lost:  # the state before op was labkit's, which loses none
-        return _lost_hint(lost)
+        return _lost_hint(lost, raised=isinstance(got, type))  # _apply returns the type of an error allocate raised
     if not same_return:
         return hint
     if differ == ["num_slots"]:
@@ -173,7 +183,7 @@ def replay(cls: Any, num_blocks: int, block_size: int, ops: list[Op], hint: str,
             differ = [k for k in want if want[k] != have[k]]
             expected_text = "\n".join([_show(expected)] + [f"{k}: {want[k]}" for k in differ])
             got_text = "\n".join([_show(got)] + [f"{k}: {have[k]}" for k in differ])
-            named = _named_hint(op, expected == got, differ, want, have, hint)
+            named = _named_hint(op, got, expected == got, differ, want, have, hint)
             raise Mismatch("\n".join(done), expected_text, got_text, named)
 
 
@@ -222,9 +232,11 @@ def _watch_allocate(allocator: Any) -> list[tuple[str, str, str]]:
         return _lost(allocator.free_blocks, allocator.block_tables.values(), allocator.num_blocks)
 
     def watched(request_id: Any, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        table, before = list(allocator.block_tables.get(request_id, ())), lost()
+        table, before, raised = list(allocator.block_tables.get(request_id, ())), lost(), True
         try:
-            return allocate(request_id, num_tokens, *args, **kwargs)
+            result = allocate(request_id, num_tokens, *args, **kwargs)
+            raised = False
+            return result
         finally:
             call = f"allocate({request_id!r}, {num_tokens}) in step {allocator.step}"
             now, taken = allocator.block_tables.get(request_id, []), [b for b in lost() if b not in before]
@@ -233,7 +245,7 @@ def _watch_allocate(allocator: Any) -> list[tuple[str, str, str]]:
             elif not found and taken:
                 where = f"{'is' if len(taken) == 1 else 'are'} in neither the free queue nor a block table"
                 want = "every block that allocate takes from the free queue in a block table"
-                found.append((want, f"after {call}, {_blocks(taken)} {where}", _lost_hint(taken)))
+                found.append((want, f"after {call}, {_blocks(taken)} {where}", _lost_hint(taken, raised)))
 
     allocator.allocate = watched
     return found
@@ -325,8 +337,7 @@ CASES = [
         4,
         4,
         [("allocate", "a", 8), ("allocate", "b", 12), ("allocate", "b", 8)],
-        "check that enough blocks are free before taking any: raise NoFreeBlocksError and leave the free queue"
-        " and the block tables exactly as they were",
+        ALL_OR_NOTHING_HINT,
     ),
     _ops_case(
         "free gives every block back to the end of the free queue",

@@ -45,7 +45,7 @@ class Sampler:
         if len(params) != logits.shape[0] or len(indices) != logits.shape[0]:
             raise ValueError(f"got {logits.shape[0]} logits rows, {len(params)} params and {len(indices)} indices")
         greedy = logits.argmax(dim=-1)
-        sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0]  # the rest are greedy
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled_rows:
             return greedy
         chosen = [params[i] for i in sampled_rows]

@@ -56,11 +56,16 @@ def _sweep(cls: Any, probs: list[float], params: tuple[float, int, float]) -> tu
         f"temperature={temperature}, top_k={top_k}, top_p={top_p}; uniform swept over {len(GRID)} values in (0, 1)"
     )
     showing(text)
-    batch = [[math.log(p) for p in probs]] * len(GRID), [params] * len(GRID), GRID
+    batch = _grid([math.log(p) for p in probs], params)
     sampler = cls()
     got = _draw(sampler, *batch)
     _check_repeatable(text, sampler, batch, got)
     return text, got, _draw(Sampler(), *batch)
+
+
+def _grid(logits: list[float], params: tuple[float, int, float]) -> tuple[list, list, list[float]]:
+    """A batch of one row per uniform in GRID, each with the same logits and parameters: the row's distribution."""
+    return [logits] * len(GRID), [params] * len(GRID), GRID
 
 
 def _check_repeatable(text: str, sampler: Any, batch: tuple[Any, Any, Any], got: list[int]) -> None:
@@ -75,7 +80,7 @@ def _alone_fails(cls: Any, probs: list[float], prerequisites: Sequence[tuple[str
     from labkit.runtime.sampling import Sampler
 
     for case, params in prerequisites:
-        batch = [[math.log(p) for p in probs]] * len(GRID), [params] * len(GRID), GRID
+        batch = _grid([math.log(p) for p in probs], params)
         if _draw(cls(), *batch) != _draw(Sampler(), *batch):
             return (
                 f"With (temperature, top_k, top_p)={params} alone your sampler already draws otherwise than"
@@ -200,7 +205,7 @@ def _own_parameters(cls: Any) -> None:
         rows = slice(i * len(GRID), (i + 1) * len(GRID))
         if got[rows] != expected[rows]:
             want = f"rows with {setting}: tokens drawn with shares {_shares(expected[rows])}"
-            alone = [logits] * len(GRID), [setting] * len(GRID), GRID
+            alone = _grid(logits, setting)
             if _draw(cls(), *alone) != _draw(Sampler(), *alone):  # not a mix-up of rows: the setting itself
                 hint = (
                     f"rows with {setting} draw otherwise than labkit's even in a batch of their own, so this is not"
@@ -231,13 +236,17 @@ def _property(cls: Any, example: Any) -> None:
     logits, params, uniform = example
     text = f"logits={logits}, (temperature, top_k, top_p)={params}, uniform={uniform}"
     showing(text)
-    batch = [logits], [params], [uniform]
+    # The row 16 times over: one right sampler draws one token for all, while one that ignores the uniform and
+    # draws at random would match labkit's token by chance on a single row.
+    batch = [logits] * 16, [params] * 16, [uniform] * 16
     expected = _draw(Sampler(), *batch)
     sampler = cls()
     got = _draw(sampler, *batch)
     if got != expected:
-        _check_repeatable(text, sampler, batch, got)
-        raise Mismatch(text, f"token {expected[0]}", f"token {got[0]}", STEPS_HINT)
+        sweep = _grid(logits, params)
+        _check_repeatable(text, sampler, sweep, _draw(sampler, *sweep))
+        wrong = next(token for token in got if token != expected[0])
+        raise Mismatch(text, f"token {expected[0]}", f"token {wrong}", STEPS_HINT)
 
 
 PER_ROW_HINT = (

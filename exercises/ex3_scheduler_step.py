@@ -32,9 +32,9 @@ class MyScheduler(Scheduler):
         1. Running requests first, in order, while the budget is positive: each gets ``n = min(remaining,
            budget)`` tokens from ``request.num_computed_tokens`` on, where remaining is ``num_tokens -
            num_computed_tokens`` (1 for a decoding request; ``is_prefill`` is ``request.state is
-           RequestState.PREFILLING``). Without
-           ``config.chunked_prefill`` a request whose remaining tokens do not fit is skipped this step. First
-           make room: while ``allocator.blocks_needed(request_id, num_computed_tokens + n)`` is more than
+           RequestState.PREFILLING``; without
+           ``config.chunked_prefill`` remaining is always 1: a whole prompt goes in at admission). First make
+           room: while ``allocator.blocks_needed(request_id, num_computed_tokens + n)`` is more than
            ``allocator.num_free_blocks``, preempt the youngest running request not yet preempted
            (``self.preempt(output, victim)``; its blocks are free at once). If that victim was this request
            itself, it gets no chunk: stop the walk there (every younger request is preempted already).

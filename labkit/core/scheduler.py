@@ -375,11 +375,8 @@ class Scheduler:
                 budget -= used
                 head = next(waiting, None)
                 continue
-            remaining = request.num_tokens - request.num_computed_tokens
-            num_tokens = min(remaining, budget)
-            if num_tokens < remaining and not cfg.chunked_prefill:
-                i += 1  # does not fit whole: wait for a step with more room
-                continue
+            # Without chunked prefill a running request has one token left: its whole prompt went in at admission.
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             end = request.num_computed_tokens + num_tokens
             needed = allocator.blocks_needed(request.request_id, end)
             if needed:  # usually 0: decodes fill the last block

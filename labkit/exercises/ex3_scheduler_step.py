@@ -173,8 +173,8 @@ CASES = [
     _case(
         "without chunked prefill a prompt that does not fit waits",
         [(4, 4), (9, 1)],
-        "with config.chunked_prefill False a chunk must be the whole remaining prompt: a running request"
-        " that does not fit is skipped this step, a waiting one ends admission",
+        "with config.chunked_prefill False an admitted request's first chunk must be its whole prompt: a"
+        " waiting request whose prompt does not fit the budget left ends admission",
         max_batch_tokens=10,
         chunked_prefill=False,
     ),

@@ -213,6 +213,22 @@ def test_jupyterlab_overrides_name_settings_that_exist() -> None:
         assert "cp binder/overrides.json" in text and target.rsplit("/", 1)[0] in text, script
 
 
+def test_each_exercise_knows_the_notebooks_before_it_as_its_notebook_and_the_readme_name_them() -> None:
+    """``labkit check`` lists the exercises in course order from ``Exercise.after``: it must name the notebooks
+    that the exercise notebook's "Before this" line links, and that the README's table lists first."""
+    from labkit.exercises import exercises
+
+    readme = (ROOT / "README.md").read_text()
+    for number, exercise in exercises().items():
+        notebook = _read(ROOT / "exercises" / exercise.filename.replace(".py", ".ipynb"))
+        [line] = [line for c in notebook.cells for line in c.source.splitlines() if line.startswith("Before this:")]
+        assert tuple(re.findall(r"\.\./notebooks/(\d\d)_", line)) == exercise.after, (number, line)
+        [row] = [r for r in readme.splitlines() if r.startswith(f"| {number} | [")]
+        assert row.split(" | ")[2].startswith(", ".join(exercise.after)), (number, row)
+    order = [e.number for e in sorted(exercises().values(), key=lambda e: e.course_position)]
+    assert order == [6, 7, 1, 2, 5, 3, 4, 8]
+
+
 def test_binder_badge_opens_the_start_notebook() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "mybinder.org/v2/gh/labkit-course/labkit/HEAD?urlpath=lab/tree/notebooks/00_start_here.ipynb" in readme

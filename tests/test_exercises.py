@@ -1699,9 +1699,13 @@ def test_labkit_check_prints_progress_and_json(tmp_path, capsys):
     assert main(["check", "--path", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "Block allocator" in out and "passed" in out and "not started" in out and "1 of 8 exercises pass" in out
+    rows = [line.split()[1] for line in out.splitlines() if re.match(r"│ \d │", line)]
+    assert rows == ["6", "7", "1", "2", "5", "3", "4", "8"], "the table lists the exercises in course order"
+    assert "Next: exercise 6, after notebook 01." in out, "next is the first in the course that does not pass"
     assert main(["check", "1", "--json", "--path", str(tmp_path)]) == 0
     [entry] = json.loads(capsys.readouterr().out)
     assert entry["status"] == "passed" and entry["passed"] == entry["cases"] == len(get(1).cases)
+    assert entry["after_notebooks"] == ["03"]
 
 
 def test_labkit_check_watch_checks_an_exercise_again_each_time_its_file_is_saved(tmp_path, capsys):

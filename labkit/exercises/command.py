@@ -41,36 +41,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"no exercise {unknown[0]}; there are {sorted(table)}")
     if args.watch and args.json:
         parser.error("--watch prints for a person; --json is for a script, which runs once")
-    chosen = [table[n] for n in args.numbers] if args.numbers else list(table.values())
+    chosen = sorted((table[n] for n in args.numbers or table), key=lambda e: e.course_position)
     results = [check_file(exercise, args.path) for exercise in chosen]
     if args.json:
-        print(json.dumps([r.to_dict() for r in results], indent=2))
+        entries = [{**r.to_dict(), "after_notebooks": list(e.after)} for e, r in zip(chosen, results, strict=True)]
+        print(json.dumps(entries, indent=2))
         return 0 if all(r.passed for r in results) else 1
     console = Console()
-    show_progress(results, console, verbose=args.verbose)
+    show_progress(chosen, results, console, verbose=args.verbose)
     if args.watch:
         results = watch(chosen, results, args.path, console)
     return 0 if all(r.passed for r in results) else 1
 
 
-def show_progress(results: list[CheckResult], console: Console, *, verbose: bool) -> None:
-    """The progress table, then every failing exercise's feedback (verbose) or which one to do next."""
-    view = Table(title="labkit exercises")
-    for column in ("#", "exercise", "status", "checks"):
+def show_progress(chosen: list[Exercise], results: list[CheckResult], console: Console, *, verbose: bool) -> None:
+    """The progress table in course order, then every failing exercise's feedback (verbose) or which one to do
+    next: the first in the course that does not pass yet."""
+    view = Table(title="labkit exercises, in course order")
+    for column in ("#", "exercise", "after", "status", "checks"):
         view.add_column(column, justify="right" if column in ("#", "checks") else "left")
-    for r in results:
+    for exercise, r in zip(chosen, results, strict=True):
         style = STYLES[r.status]
-        view.add_row(str(r.number), r.title, f"[{style}]{r.status}[/{style}]", f"{r.num_passed}/{r.num_cases}")
+        view.add_row(
+            str(r.number),
+            r.title,
+            ", ".join(exercise.after),
+            f"[{style}]{r.status}[/{style}]",
+            f"{r.num_passed}/{r.num_cases}",
+        )
     console.print(view)
     done = sum(r.passed for r in results)
     console.print(f"{done} of {len(results)} exercises pass.")
     for r in results:
         if verbose and not r.passed:
             print(r.report(), end="\n\n")
-    following = next((r for r in results if not r.passed), None)
+    following = next((e for e, r in zip(chosen, results, strict=True) if not r.passed), None)
     if following is not None and not verbose:
         console.print(
-            f"Next: exercise {following.number}. Details: labkit check {following.number} -v", highlight=False
+            f"Next: exercise {following.number}, after notebook {' and '.join(following.after)}."
+            f" Details: labkit check {following.number} -v",
+            highlight=False,
         )
 
 

@@ -393,6 +393,7 @@ CASES = [
 
 EXERCISE = Exercise(
     number=1,
+    after=("03",),
     slug="block_allocator",
     title="Block allocator",
     export="MyBlockAllocator",

@@ -188,6 +188,7 @@ def _reference() -> Any:
 
 EXERCISE = Exercise(
     number=2,
+    after=("03",),
     slug="slot_mapping",
     title="Block tables and slot mapping",
     export="slot_mapping",

@@ -219,6 +219,7 @@ CASES = [
 
 EXERCISE = Exercise(
     number=3,
+    after=("04", "05"),
     slug="scheduler_step",
     title="A scheduler step with a token budget",
     export="MyScheduler",

@@ -207,6 +207,7 @@ CASES = [
 
 EXERCISE = Exercise(
     number=4,
+    after=("06",),
     slug="preemption",
     title="Preemption",
     export="MyScheduler",

@@ -497,6 +497,7 @@ def _reference() -> Any:
 
 EXERCISE = Exercise(
     number=5,
+    after=("03",),
     slug="paged_attention",
     title="Paged attention in torch",
     export="paged_attention",

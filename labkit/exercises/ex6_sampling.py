@@ -399,6 +399,7 @@ def _reference() -> Any:
 
 EXERCISE = Exercise(
     number=6,
+    after=("01",),
     slug="sampling",
     title="Sampling",
     export="MySampler",

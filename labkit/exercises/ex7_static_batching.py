@@ -136,6 +136,7 @@ CASES = [
 
 EXERCISE = Exercise(
     number=7,
+    after=("02",),
     slug="static_batching",
     title="Static against continuous",
     export="MyScheduler",

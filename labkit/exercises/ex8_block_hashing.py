@@ -338,6 +338,7 @@ CASES.append(
 
 EXERCISE = Exercise(
     number=8,
+    after=("09",),
     slug="block_hashing",
     title="Block hashing and the cached-block lookup",
     export="MyPrefixCache",

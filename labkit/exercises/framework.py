@@ -114,6 +114,7 @@ def _is_flaky(error: BaseException) -> bool:
 @dataclass(frozen=True)
 class Exercise:
     number: int
+    after: tuple[str, ...]  # the course notebooks that come before it ("03" for notebooks/03_*.ipynb)
     slug: str  # the learner's file is exercises/ex{number}_{slug}.py
     title: str
     export: str  # the name that file defines: the implementation
@@ -123,6 +124,11 @@ class Exercise:
     @property
     def filename(self) -> str:
         return f"ex{self.number}_{self.slug}.py"
+
+    @property
+    def course_position(self) -> tuple[str, int]:
+        """Where it comes in the course: after its last notebook, in number order among those after the same one."""
+        return self.after[-1], self.number
 
 
 @dataclass

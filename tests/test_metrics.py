@@ -393,11 +393,34 @@ class FakeCuda:
         return self.peak
 
 
-class FakeNvml:
-    """pynvml: a handle per device, and a utilisation reading that changes with every sample."""
+class TorchUuid:
+    """What torch's device properties give as ``uuid`` (a ``_CUuuid``): it prints without NVML's "GPU-" prefix."""
 
-    def __init__(self, working=True, readable=True):
+    def __init__(self, text):
+        self.text = text
+
+    def __str__(self):
+        return self.text
+
+
+class FakeCudaWithUuids(FakeCuda):
+    """torch.cuda where each device has a UUID, as real ones do."""
+
+    def __init__(self, peak, uuids):
+        super().__init__(peak)
+        self.uuids = uuids
+
+    def get_device_properties(self, device):
+        return types.SimpleNamespace(uuid=TorchUuid(self.uuids[device]))
+
+
+class FakeNvml:
+    """pynvml: a handle per device (found by index, or by UUID among ``uuids``, NVML's index of each), and a
+    utilisation reading that changes with every sample."""
+
+    def __init__(self, working=True, readable=True, uuids=()):
         self.working, self.readable, self.readings, self.handles = working, readable, [], []
+        self.uuids = {f"GPU-{uuid}".encode(): index for index, uuid in enumerate(uuids)}
 
     def nvmlInit(self):
         if not self.working:
@@ -406,6 +429,11 @@ class FakeNvml:
     def nvmlDeviceGetHandleByIndex(self, device):
         self.handles.append(device)
         return ("handle", device)
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        if uuid not in self.uuids:
+            raise OSError("Not Found")
+        return self.nvmlDeviceGetHandleByIndex(self.uuids[uuid])
 
     def nvmlDeviceGetUtilizationRates(self, handle):
         assert handle == ("handle", self.handles[-1])
@@ -442,3 +470,41 @@ def test_gpu_monitor_on_a_cuda_device(monkeypatch, nvml_works, readable, device)
         assert gpu.utilization_between(-math.inf, math.inf) == pytest.approx(gpu.utilization)
     else:
         assert gpu.utilization is None
+
+
+MACHINE = [f"5f1b9a2c-0d3e-4f56-8a9b-0c1d2e3f4a5{index}" for index in range(3)]  # its GPUs' UUIDs, in NVML's order
+
+
+@pytest.mark.parametrize(("nvml_knows_it", "expected"), [(True, 2), (False, 0)])
+def test_gpu_monitor_finds_torch_s_device_in_nvml_by_its_uuid(monkeypatch, nvml_knows_it, expected):
+    """Under CUDA_VISIBLE_DEVICES=2, torch's device 0 is the machine's third GPU, NVML's device 2: the UUID names the
+    same GPU in both. Where NVML knows no such UUID, the index is all there is."""
+    cuda = FakeCudaWithUuids(peak=0, uuids=[MACHINE[2]])  # the one GPU torch sees
+    nvml = FakeNvml(uuids=MACHINE if nvml_knows_it else MACHINE[:2])
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    with GpuMonitor(interval=0.001) as gpu:
+        pass
+    assert nvml.handles == [expected]  # the samples read the GPU torch ran on
+    assert not gpu._thread.is_alive()
+
+
+class FailingCuda(FakeCuda):
+    """torch.cuda after a kernel failed: the error surfaces at the next synchronize."""
+
+    def synchronize(self, device):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_gpu_monitor_stops_sampling_when_the_block_s_gpu_work_failed(monkeypatch):
+    """The synchronize at the block's end raises a failed kernel's error: the sampling thread stops all the same,
+    instead of reading NVML for as long as the process lives."""
+    nvml = FakeNvml()
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=FailingCuda(peak=0)))
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    with pytest.raises(RuntimeError, match="illegal memory access"), GpuMonitor(interval=0.001) as gpu:
+        deadline = time.monotonic() + 5
+        while len(nvml.readings) < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    assert gpu._thread is not None and not gpu._thread.is_alive()
+    assert gpu.peak_memory_bytes is None  # never read: the error came first

@@ -356,13 +356,20 @@ class GpuMonitor:
     def __exit__(self, *exc: object) -> None:
         if self._cuda is None:
             return
-        self._cuda.synchronize(self.device_index)
-        self.peak_memory_bytes = int(self._cuda.max_memory_allocated(self.device_index))
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            if self._samples:
-                self.utilization = float(np.mean([util for _, util in self._samples]))
+        try:
+            self._cuda.synchronize(self.device_index)  # raises if a kernel failed: the sampler must stop all the same
+            self.peak_memory_bytes = int(self._cuda.max_memory_allocated(self.device_index))
+        finally:
+            self._stop_sampling()
+
+    def _stop_sampling(self) -> None:
+        """Stop the sampling thread, wait for it, and average what it read."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        if self._samples:
+            self.utilization = float(np.mean([util for _, util in self._samples]))
 
     def utilization_between(self, start: float, end: float) -> float | None:
         """Mean utilisation over the samples taken between ``start`` and ``end`` (perf_counter seconds): a run's
@@ -380,13 +387,25 @@ class GpuMonitor:
 
 
 def _nvml_handle(device_index: int) -> Any:
-    """The device's NVML handle if its utilisation can be read (not under MIG, say); else None."""
+    """The NVML handle of torch's CUDA device ``device_index`` if its utilisation can be read (not under MIG,
+    say); else None."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+        handle = _nvml_device(pynvml, device_index)
         pynvml.nvmlDeviceGetUtilizationRates(handle)
         return handle
     except Exception:  # no NVML library, no driver, no such device, or no reading: utilisation stays unknown
         return None
+
+
+def _nvml_device(pynvml: Any, device_index: int) -> Any:
+    """Look the device up by its UUID, which torch and NVML share: their indices differ where CUDA_VISIBLE_DEVICES
+    hides or reorders GPUs (torch's 0 is the first GPU it lists, NVML's the machine's first). By index if torch
+    gives no UUID or NVML knows none such."""
+    try:
+        uuid = str(sys.modules["torch"].cuda.get_device_properties(device_index).uuid)  # torch omits "GPU-"
+        return pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid.removeprefix('GPU-')}".encode())  # bytes: any pynvml
+    except Exception:
+        return pynvml.nvmlDeviceGetHandleByIndex(device_index)

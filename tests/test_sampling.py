@@ -216,6 +216,26 @@ def test_a_temperature_at_the_bottom_of_float32_still_picks_the_most_likely_toke
         assert draw(logits, u, temperature=1e-45) == best
 
 
+@pytest.fixture(params=[False, True], ids=["subnormals", "flush-to-zero"])
+def flush_denormal(request):
+    """Runs a test as is, then with subnormal floats read as 0, as on devices that flush them to zero."""
+    if request.param and not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormal floats to zero")
+    yield request.param
+    torch.set_flush_denormal(False)
+
+
+@pytest.mark.parametrize("top_p", [1e-39, 1e-45, 1e-46, 1e-300])
+def test_a_top_p_below_float32s_normal_range_keeps_the_most_likely_token(top_p, flush_denormal):
+    # float32 holds 1e-46 and 1e-300 as 0, and a flush-to-zero device reads the subnormals 1e-39 and 1e-45 as 0;
+    # a nucleus of top_p 0 would drop every token, the most likely one included. Each row draws the greedy token.
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [-5.0, -3.0, -1.0, -4.0], [9.0, 8.0, 8.5, -2.0]])
+    params = [SamplingParams(temperature=1.0, top_p=top_p, seed=seed) for seed in range(3)]
+    for index in range(20):
+        assert Sampler().sample(logits, params, [index] * 3).tolist() == logits.argmax(dim=-1).tolist()
+    assert draw([0.0, 3.0, 1.0, 2.0], 0.5, top_p=top_p) == 1
+
+
 def test_sample_leaves_the_tokens_on_the_logits_device():
     """sample() moves every per-row value to the logits' device and returns the tokens there. The shape-only
     'meta' device stands in for a GPU: a value left on the host could not index the logits there."""

@@ -102,9 +102,11 @@ class Sampler:
         keep_k = torch.where(top_k > 0, top_k, vocab)
         sorted_logits = sorted_logits.masked_fill(rank >= keep_k[:, None], float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
-        # Nucleus: keep the smallest prefix whose mass reaches top_p (the most likely token always stays).
+        # Nucleus: keep the smallest prefix whose mass reaches top_p. The most likely token always stays, as the
+        # mass before it is 0: the clamp keeps a top_p below float32's normal range (1e-46, or a subnormal that a
+        # flush-to-zero device reads as 0) from becoming 0, which would drop every token.
         mass_before = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill(mass_before >= top_p[:, None], 0.0)
+        probs = probs.masked_fill(mass_before >= top_p.clamp(min=tiny)[:, None], 0.0)
         cdf = probs.double().cumsum(dim=-1)
         target = (uniform * cdf[:, -1])[:, None]
         index = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)

@@ -16,6 +16,7 @@ import random
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import Boom, engine_state
@@ -429,6 +430,37 @@ def test_a_list_mixing_prompts_and_ints_is_refused_at_its_int():
     for prompts in ([[5, 6, 7], 8], [8, [5, 6, 7]]):  # not a flat list of ints: one of its prompts is bad
         with pytest.raises(TypeError, match="prompt must be a list of token ids or a string, got int"):
             engine.generate(prompts, params)
+    assert engine.requests == {} and not engine.has_unfinished()
+
+
+def test_numpy_token_ids_are_prompts_and_other_ids_are_named_by_position():
+    engine = Engine(SimulatedModel(vocab_size=100), EngineConfig(block_size=4, num_blocks=16))
+    params = SamplingParams(max_new_tokens=3, seed=0)
+    (expected,) = engine.generate([[5, 6, 7]], params)
+    for prompt in ([np.int64(5), np.int32(6), np.uint8(7)], np.array([5, 6, 7]), (5, 6, 7)):
+        rid = engine.add_request(prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+        output = engine.release(rid)
+        assert output.prompt_token_ids == [5, 6, 7] and all(type(t) is int for t in output.prompt_token_ids)
+        assert output.output_token_ids == expected.output_token_ids
+    (output,) = engine.generate([np.array([5, 6, 7])], params)
+    assert output.output_token_ids == expected.output_token_ids
+    with pytest.raises(TypeError, match=r"flat list of ints; pass a list of prompts, e.g. \[\[5, 6, 7\]\]"):
+        engine.generate([np.int64(5), np.int64(6)], params)
+    bad = [
+        ([5, 6.0], "got float 6.0 at position 1"),
+        ([5, 6, np.float64(7)], "got float64 np.float64\\(7.0\\) at position 2"),
+        (["5"], "got str '5' at position 0"),
+        ([5, True], "got bool True at position 1"),
+    ]
+    for prompt, message in bad:
+        with pytest.raises(TypeError, match=f"prompt token ids must be ints, {message}"):
+            engine.add_request(prompt, params)
+    with pytest.raises(ValueError, match=r"prompt token id -2 is outside the vocabulary \[0, 100\) \(position 1\)"):
+        engine.add_request(np.array([5, -2]), params)
+    with pytest.raises(TypeError, match="prompt must be a list of token ids or a string, got ndarray"):
+        engine.add_request(np.array([[5, 6]]), params)
     assert engine.requests == {} and not engine.has_unfinished()
 
 

@@ -28,7 +28,17 @@ from typing import Any, Protocol, cast
 from labkit.core.blocks import BlockAllocator
 from labkit.core.config import EngineConfig
 from labkit.core.report import ScheduledWork, StepReport
-from labkit.core.request import PENDING_TOKEN, Request, RequestMetrics, RequestOutput, SamplingParams
+from labkit.core.request import (
+    PENDING_TOKEN,
+    Request,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    as_token_id,
+    check_request_length,
+    is_token_sequence,
+    prompt_token_ids,
+)
 from labkit.core.scheduler import Scheduler, SchedulerOutput
 
 
@@ -171,7 +181,7 @@ class Engine:
         *,
         arrival_time: float | None = None,
     ) -> int:
-        """Queue a prompt (token ids, or text when the engine has a tokenizer); return its request id.
+        """Queue a prompt (a sequence of token ids, or text when the engine has a tokenizer); return its request id.
 
         Everything about the request is checked here, so a bad request is refused with a
         ValueError/TypeError before it touches the cache, and the other requests carry on.
@@ -185,11 +195,7 @@ class Engine:
         for token in params.stop_token_ids:
             if not 0 <= token < vocab:
                 raise ValueError(f"stop token id {token} is outside the vocabulary [0, {vocab})")
-        if len(token_ids) + params.max_new_tokens - 1 > self.runner.max_model_len:
-            raise ValueError(
-                f"prompt ({len(token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds"
-                f" the model's maximum length ({self.runner.max_model_len})"
-            )
+        check_request_length(len(token_ids), params, self.runner.max_model_len)
         self.scheduler.check_fits(len(token_ids), params.max_new_tokens)
         now = self.clock() if arrival_time is None else _arrival_time(arrival_time, self.clock())
         request_id = next(self._ids)
@@ -362,8 +368,9 @@ class Engine:
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in input order.
 
-        ``prompts`` is a list of prompts (texts or lists of token ids); a single text is one prompt. A
-        flat list of ints is refused (wrap it: ``[[5, 6, 7]]``), since it could mean one prompt or many.
+        ``prompts`` is a list of prompts (texts, or sequences of token ids: lists, tuples, numpy arrays, with
+        numpy's integers as good as ints); a single text is one prompt. A flat list of ints is refused (wrap it:
+        ``[[5, 6, 7]]``), since it could mean one prompt or many.
         ``params`` is one SamplingParams for all prompts or a list with one per prompt. If any prompt is
         invalid, none is queued and nothing is left behind. If anything raises while they run
         (KeyboardInterrupt included), the requests of this call are aborted and dropped from
@@ -374,7 +381,7 @@ class Engine:
             prompts = [prompts]
         elif not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
-        elif prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        elif prompts and all(as_token_id(p) is not None for p in prompts):  # numpy's integers too
             raise TypeError("prompts is a flat list of ints; pass a list of prompts, e.g. [[5, 6, 7]] for one")
         if isinstance(params, SamplingParams) or params is None:
             params = [params] * len(prompts)
@@ -429,30 +436,14 @@ class Engine:
 
     # ------------------------------------------------------------------ helpers
     def _prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """The prompt's token ids (a text is tokenized), checked against the model's vocabulary and length."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise TypeError("prompt is a string but the engine has no tokenizer; pass token ids")
-            token_ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        elif isinstance(prompt, (list, tuple)):
-            token_ids = list(prompt)
-        else:
+            prompt = self.tokenizer.encode(prompt, add_special_tokens=False)
+        elif not is_token_sequence(prompt):
             raise TypeError(f"prompt must be a list of token ids or a string, got {type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        vocab = self.runner.vocab_size
-        for token in token_ids:
-            if isinstance(token, bool) or not isinstance(token, numbers.Integral):
-                raise TypeError(f"prompt token ids must be ints, got {type(token).__name__}")
-            if not 0 <= token < vocab:
-                raise ValueError(f"prompt token id {token} is outside the vocabulary [0, {vocab})")
-        if not all(type(token) is int for token in token_ids):  # numpy's integers, say: stored as Python ints
-            token_ids = [int(token) for token in token_ids]
-        if len(token_ids) > self.runner.max_model_len:
-            raise ValueError(
-                f"prompt ({len(token_ids)} tokens) is longer than the model's maximum length"
-                f" ({self.runner.max_model_len})"
-            )
-        return token_ids
+        return prompt_token_ids(prompt, self.runner.vocab_size, self.runner.max_model_len)
 
     def _report(
         self,

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
+import reprlib
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
 FINISH_REASONS = ("length", "stop", "abort")
 #: A generated token whose value is still on the device: with async scheduling, step N+1 is planned while
@@ -184,6 +187,76 @@ class RequestOutput:
             "metrics": vars(self.metrics).copy(),
             "num_cached_tokens": self.num_cached_tokens,
         }
+
+
+def prompt_token_ids(prompt: object, vocab_size: int | None = None, max_model_len: int | None = None) -> list[int]:
+    """A prompt of token ids as a list of Python ints, checked; else a TypeError/ValueError naming what is wrong.
+
+    A prompt is any sequence of integers, of any integer type (``operator.index`` takes it): a list, a tuple, a
+    numpy array or a list of numpy's integers, since learners' token ids often come out of numpy. A float or a
+    bool is refused, named with its position: 5.0 and True are not token ids. ``vocab_size`` and
+    ``max_model_len`` bound the ids and the length; without a vocabulary, only negative ids are refused.
+    """
+    if not is_token_sequence(prompt):
+        raise TypeError(f"prompt must be a list of token ids, got {type(prompt).__name__}")
+    token_ids = list(prompt)
+    if not token_ids:
+        raise ValueError("prompt is empty")
+    if not all(type(token) is int for token in token_ids):  # numpy's integers, say: stored as Python ints
+        converted = [as_token_id(token) for token in token_ids]
+        if None in converted:
+            position = converted.index(None)
+            bad = token_ids[position]
+            raise TypeError(
+                f"prompt token ids must be ints, got {type(bad).__name__} {reprlib.repr(bad)} at position {position}"
+            )
+        token_ids = cast(list[int], converted)
+    lowest, highest = min(token_ids), max(token_ids)
+    if lowest < 0 or (vocab_size is not None and highest >= vocab_size):
+        bad = lowest if lowest < 0 else highest
+        where = "negative" if vocab_size is None else f"outside the vocabulary [0, {vocab_size})"
+        raise ValueError(f"prompt token id {bad} is {where} (position {token_ids.index(bad)})")
+    if max_model_len is not None and len(token_ids) > max_model_len:
+        raise ValueError(
+            f"prompt ({len(token_ids)} tokens) is longer than the model's maximum length ({max_model_len})"
+        )
+    return token_ids
+
+
+def check_request_length(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> None:
+    """ValueError unless the prompt and every generated token but the last fit the model's positions.
+
+    The last token is sampled and never fed back, so it needs no position of its own.
+    """
+    if num_prompt_tokens + params.max_new_tokens - 1 > max_model_len:
+        raise ValueError(
+            f"prompt ({num_prompt_tokens} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds"
+            f" the model's maximum length ({max_model_len})"
+        )
+
+
+def is_token_sequence(value: object) -> bool:
+    """Whether ``value`` can be a prompt of token ids: a sized iterable that is not text, a mapping or a set."""
+    if isinstance(value, (str, bytes, Mapping, Set)):
+        return False
+    return hasattr(value, "__len__") and hasattr(value, "__iter__") and getattr(value, "ndim", 1) == 1
+
+
+_BOOL_DTYPES = ("bool", "torch.bool")  # numpy's and torch's names of their bool dtype
+
+
+def as_token_id(value: object) -> int | None:
+    """``value`` as a Python int if it is one integer of any kind, else None.
+
+    Any kind is whatever ``operator.index`` takes: int, numpy's integers, a 0-d integer tensor. A bool, numpy's
+    and torch's included, is not a token id, though Python counts True as 1.
+    """
+    if isinstance(value, bool) or getattr(value, "ndim", 0) or str(getattr(value, "dtype", "")) in _BOOL_DTYPES:
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _as_int(name: str, value: object) -> int:

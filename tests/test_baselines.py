@@ -13,6 +13,7 @@ import time
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -343,6 +344,85 @@ def test_bad_baseline_inputs(model):
         timed_padded_generate(model, [], [])
     with pytest.raises(RuntimeError, match="context manager"):
         TransformersContinuous(model).serve(PROMPTS, WANTED)
+
+
+# (prompts, max_new_tokens, error, message): request 1 is the bad one. The model has 1024 token ids, 512 positions.
+BAD_REQUESTS = [
+    ([[5, 6], [], [7]], [3, 3, 3], ValueError, "request 1: prompt is empty"),
+    ([[5, 6], [7, 1024], [7]], [3, 3, 3], ValueError, r"request 1: prompt token id 1024 is outside the vocabulary"),
+    ([[5, 6], [7, -1], [7]], [3, 3, 3], ValueError, r"request 1: prompt token id -1 is outside the vocabulary"),
+    ([[5, 6], [7, 8.0], [7]], [3, 3, 3], TypeError, "request 1: prompt token ids must be ints, got float 8.0 at"),
+    ([[5, 6], 7, [7]], [3, 3, 3], TypeError, "request 1: prompt must be a list of token ids, got int"),
+    ([[5, 6], [7] * 513, [7]], [3, 3, 3], ValueError, r"request 1: prompt \(513 tokens\) is longer than the model's"),
+    (
+        [[5, 6], [7] * 510, [7]],
+        [3, 4, 3],
+        ValueError,
+        r"request 1: prompt \(510 tokens\) \+ max_new_tokens \(4\) exceeds the model's maximum length \(512\)",
+    ),
+    ([[5, 6], [7], [7]], [3, 0, 3], ValueError, "request 1: max_new_tokens must be >= 1, got 0"),
+    ([[5, 6], [7], [7]], [3, 2.0, 3], TypeError, "request 1: max_new_tokens must be an int, got float"),
+    ([[5, 6], [7], [7]], [3, True, 3], TypeError, "request 1: max_new_tokens must be an int, got bool"),
+]
+
+
+def forbid_generate(model, monkeypatch):
+    """Fail the test if the model runs: a bad request must be refused before."""
+    monkeypatch.setattr(model, "generate", lambda *args, **kwargs: pytest.fail("the model ran"))
+
+
+@pytest.mark.parametrize(("prompts", "wanted", "error", "message"), BAD_REQUESTS)
+def test_a_static_batch_refuses_a_bad_request_by_its_index_before_the_model_runs(
+    model, monkeypatch, prompts, wanted, error, message
+):
+    forbid_generate(model, monkeypatch)
+    with pytest.raises(error, match=message):
+        timed_padded_generate(model, prompts, wanted)
+    with pytest.raises(error, match=message):
+        padded_generate(model, prompts, wanted, batch_size=1)
+    if "model's" not in message:  # transformers' manager runs past the model's length (the bench checks it)
+        with pytest.raises(error, match=message):  # checked before the manager is asked for
+            TransformersContinuous(model).serve(prompts, wanted)
+
+
+@pytest.mark.parametrize(
+    ("pad_token_id", "error", "message"),
+    [
+        (-1, ValueError, r"pad_token_id -1 is outside the vocabulary \[0, 1024\)"),
+        (1024, ValueError, "outside"),
+        (None, TypeError, "pad_token_id must be an int, got NoneType"),
+        (0.0, TypeError, "got float"),
+    ],
+)
+def test_a_static_batch_refuses_a_pad_token_id_outside_the_vocabulary(model, monkeypatch, pad_token_id, error, message):
+    forbid_generate(model, monkeypatch)
+    with pytest.raises(error, match=message):
+        padded_generate(model, PROMPTS, WANTED, pad_token_id=pad_token_id)
+
+
+def test_baselines_take_numpy_token_ids(model, greedy):
+    prompts = [np.array(p) for p in PROMPTS]
+    wanted = [np.int64(n) for n in WANTED]
+    outputs = timed_padded_generate(model, prompts, wanted, batch_size=2, pad_token_id=np.int64(0))
+    assert [o.output_token_ids for o in outputs] == greedy
+    assert [o.prompt_token_ids for o in outputs] == PROMPTS
+    assert all(type(t) is int for o in outputs for t in o.prompt_token_ids)
+
+
+# What needs no model to see: all but the vocabulary and the length, and a negative id is wrong in any vocabulary.
+MODEL_FREE_BAD_REQUESTS = [
+    *(case for case in BAD_REQUESTS if "vocabulary" not in case[3] and "model's" not in case[3]),
+    ([[5, 6], [7, -1], [7]], [3, 3, 3], ValueError, r"request 1: prompt token id -1 is negative \(position 1\)"),
+]
+
+
+@pytest.mark.parametrize(("prompts", "wanted", "error", "message"), MODEL_FREE_BAD_REQUESTS)
+def test_vllm_serve_refuses_what_needs_no_model_to_see_before_importing_vllm(
+    monkeypatch, prompts, wanted, error, message
+):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if it were not installed: the check comes first
+    with pytest.raises(error, match=message):
+        vllm_serve(None, prompts, wanted)
 
 
 class ManagerThatDies:

@@ -33,7 +33,14 @@ import transformers
 from packaging.version import Version
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
-from labkit.core.request import RequestMetrics, RequestOutput
+from labkit.core.request import (
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    as_token_id,
+    check_request_length,
+    prompt_token_ids,
+)
 
 RESULT_TIMEOUT = 600  # seconds to wait for transformers' manager to return a result before giving up
 RESULT_POLL = 1.0  # seconds between checks that its background thread is still running
@@ -95,9 +102,14 @@ def timed_padded_generate(
     arrived by then (waiting for the next arrival if none has). A batch decodes ``max(max_new_tokens)``
     of its members; each request keeps only its own share, and its timestamps are those of its own
     tokens (so its ``finish_time`` is its last token's, as for labkit's static policy).
+
+    Every request is checked before the model runs, as labkit's engine checks it: a bad one raises a
+    ValueError/TypeError naming its index, where ``generate`` would fail part-way or read past the embeddings.
     """
-    _check_workload(prompts, max_new_tokens)
+    vocab_size, max_model_len = _model_limits(model)
+    prompts, max_new_tokens = _checked_workload(prompts, max_new_tokens, vocab_size, max_model_len)
     _check_positive("batch_size", batch_size)
+    pad_token_id = _checked_pad_token_id(pad_token_id, vocab_size)
     arrivals = _arrival_times(arrival_times, len(prompts))
     order = sorted(range(len(prompts)), key=arrivals.__getitem__)
     start = time.perf_counter()
@@ -275,8 +287,12 @@ class TransformersContinuous:
 
         ``time_limit`` (seconds from the call): past it, the manager is stopped without finishing the rest
         and :class:`TimeLimitReached` says how many tokens came in that time (a benchmark's budget guard).
+
+        Every request is checked before any is submitted: its token ids against the model's vocabulary, its
+        ``max_new_tokens``; not its length, which transformers does not limit (the bench checks it).
         """
-        _check_workload(prompts, max_new_tokens)
+        vocab_size, _ = _model_limits(self.model)  # not the length: transformers runs past it (see above)
+        prompts, max_new_tokens = _checked_workload(prompts, max_new_tokens, vocab_size)
         if time_limit is not None:
             _check_seconds("time_limit", time_limit)
         if self._manager is None:
@@ -423,9 +439,10 @@ def vllm_serve(
     """Greedy offline generation on a ``vllm.LLM``, all requests at once; timed outputs in input order.
 
     ``LLM.generate`` hands back only finished requests, so this drives the same engine
-    (``llm.llm_engine``) one step at a time and stamps each token when its step returns.
+    (``llm.llm_engine``) one step at a time and stamps each token when its step returns. Requests are checked
+    as far as no model is needed (token ids that are ints >= 0, ``max_new_tokens``); vLLM checks the rest.
     """
-    _check_workload(prompts, max_new_tokens)
+    prompts, max_new_tokens = _checked_workload(prompts, max_new_tokens)
     vllm = import_vllm()
     from vllm.sampling_params import RequestOutputKind
 
@@ -463,11 +480,48 @@ def vllm_serve(
 
 
 # ---------------------------------------------------------------------------------------------- checks
-def _check_workload(prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> None:
+def _checked_workload(
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: Sequence[int],
+    vocab_size: int | None = None,
+    max_model_len: int | None = None,
+) -> tuple[list[list[int]], list[int]]:
+    """The prompts as lists of Python ints and each ``max_new_tokens`` as an int, every request checked by the
+    rules of labkit's engine (labkit.core.request), so that a baseline refuses what the engine refuses, before
+    its model runs; the error names the request. Without ``vocab_size`` and ``max_model_len`` (no model at hand),
+    only what needs no model is checked."""
     if len(prompts) != len(max_new_tokens):
         raise ValueError(f"got {len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens")
-    if not prompts:
+    if len(prompts) == 0:
         raise ValueError("no prompts")
+    checked_prompts, checked_lengths = [], []
+    for index, (prompt, wanted) in enumerate(zip(prompts, max_new_tokens, strict=True)):
+        try:
+            token_ids = prompt_token_ids(prompt, vocab_size, max_model_len)
+            params = SamplingParams(max_new_tokens=wanted)
+            if max_model_len is not None:
+                check_request_length(len(token_ids), params, max_model_len)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"request {index}: {error}") from None
+        checked_prompts.append(token_ids)
+        checked_lengths.append(params.max_new_tokens)
+    return checked_prompts, checked_lengths
+
+
+def _model_limits(model: Any) -> tuple[int, int]:
+    """A transformers model's vocabulary size and maximum length (prompt + output), as labkit's runner reads them."""
+    return model.get_input_embeddings().num_embeddings, model.config.get_text_config().max_position_embeddings
+
+
+def _checked_pad_token_id(pad_token_id: object, vocab_size: int) -> int:
+    """The padding id as an int in the vocabulary: padded positions are masked, yet still looked up in the embeddings,
+    where an id outside it fails (on a GPU, as a device-side assert that ends the process's CUDA context)."""
+    token = as_token_id(pad_token_id)
+    if token is None:
+        raise TypeError(f"pad_token_id must be an int, got {type(pad_token_id).__name__}")
+    if not 0 <= token < vocab_size:
+        raise ValueError(f"pad_token_id {token} is outside the vocabulary [0, {vocab_size})")
+    return token
 
 
 def _check_positive(name: str, value: object) -> None:

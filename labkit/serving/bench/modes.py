@@ -136,8 +136,11 @@ def hf_continuous(workload: Sequence[WorkloadRequest], setup: BenchSetup) -> Run
 
 
 def pad_token_id(model: Any) -> int:
+    """The model's padding id, as labkit's runner picks it: 0 where the config has none, or one outside the
+    vocabulary (some hold -1)."""
     pad = model.config.get_text_config().pad_token_id
-    return pad if isinstance(pad, int) else 0
+    vocab = model.get_input_embeddings().num_embeddings
+    return pad if isinstance(pad, int) and 0 <= pad < vocab else 0
 
 
 def eos_ids(setup: BenchSetup) -> frozenset[int]:

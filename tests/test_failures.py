@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,7 +23,9 @@ import pytest
 import torch
 from conftest import Boom, engine_state
 
+import labkit.runtime.runner
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel
+from labkit.runtime.sampling import Sampler
 
 
 def without_times(report: Any) -> dict:
@@ -382,6 +386,135 @@ def test_an_interrupt_during_generate_leaves_no_request_and_no_block(model, poli
     assert set(reports[0].finished.values()) == {"abort"}
     assert len(reports[0].finished) == len(prompts)  # all were unfinished at step 3
     assert engine.num_free_blocks == engine.num_blocks and engine.requests == {}
+
+
+class CorruptingSampleRows(Sampler):
+    """A learner's sampler (exercise 6): the built-in draw, but call ``bad_call`` of sample_rows returns
+    ``corrupt(tokens)``."""
+
+    def __init__(self, corrupt: Callable[[torch.Tensor], Any], bad_call: int) -> None:
+        super().__init__()
+        self.corrupt, self.bad_call, self.calls = corrupt, bad_call, 0
+
+    def sample_rows(self, logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        tokens = super().sample_rows(logits, *args, **kwargs)
+        self.calls += 1
+        return self.corrupt(tokens) if self.calls == self.bad_call else tokens
+
+
+def corrupting_callable(corrupt: Callable[[list[int]], Any], bad_call: int) -> Callable[..., Any]:
+    """A sampler that is a plain callable returning a list: the built-in tokens, but call ``bad_call`` corrupts them."""
+    inner, calls = Sampler(), [0]
+
+    def sample(logits: torch.Tensor, params: Any, indices: Any) -> Any:
+        tokens = inner(logits, params, indices)
+        calls[0] += 1
+        return corrupt(tokens) if calls[0] == bad_call else tokens
+
+    return sample
+
+
+def last_row(token: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda tokens: torch.cat([tokens[:-1], torch.tensor([token])])
+
+
+# (sampler(bad_call), error, message); the model's vocabulary has 1024 tokens.
+BAD_SAMPLERS = {
+    "sample_rows-past-the-vocabulary": (
+        lambda n: CorruptingSampleRows(last_row(70000), n),
+        ValueError,
+        r"sampler returned token 70000 for row \d+ \(request \d+\); the vocabulary has 1024 tokens, 0 to 1023",
+    ),
+    "sample_rows-the-vocabulary-size": (
+        lambda n: CorruptingSampleRows(last_row(1024), n),
+        ValueError,
+        "sampler returned token 1024 for row",
+    ),
+    "sample_rows-negative": (
+        lambda n: CorruptingSampleRows(torch.neg, n),
+        ValueError,
+        r"sampler returned token -\d+ for row 0 \(request",
+    ),
+    "sample_rows-one-too-many": (
+        lambda n: CorruptingSampleRows(lambda t: torch.cat([t, t[:1]]), n),
+        ValueError,
+        r"sample_rows returned tokens of shape \((\d+),\) for \d+ rows; expected one token per row",
+    ),
+    "sample_rows-a-column": (
+        lambda n: CorruptingSampleRows(lambda t: t[:, None], n),
+        ValueError,
+        r"sample_rows returned tokens of shape \(\d+, 1\)",
+    ),
+    "sample_rows-floats": (
+        lambda n: CorruptingSampleRows(lambda t: t.float(), n),
+        TypeError,
+        "sample_rows returned tokens of dtype torch.float32; token ids are integers",
+    ),
+    "sample_rows-a-string": (
+        lambda n: CorruptingSampleRows(lambda t: "tokens", n),
+        TypeError,
+        "sample_rows returned str; expected a tensor",
+    ),
+    "callable-one-too-many": (
+        lambda n: corrupting_callable(lambda t: [*t, 5], n),
+        ValueError,
+        r"sampler returned \d+ tokens for \d+ rows; expected one token per row",
+    ),
+    "callable-negative": (
+        lambda n: corrupting_callable(lambda t: [-1, *t[1:]], n),
+        ValueError,
+        "sampler returned token -1 for row 0",
+    ),
+    "callable-a-float": (
+        lambda n: corrupting_callable(lambda t: [*t[:-1], 5.0], n),
+        TypeError,
+        r"sampler returned float 5.0 for row \d+",
+    ),
+    "callable-a-row-tensor": (
+        lambda n: corrupting_callable(lambda t: torch.tensor(t)[None], n),
+        ValueError,
+        r"sampler returned tokens of shape \(1, \d+\)",
+    ),
+    "callable-none": (
+        lambda n: corrupting_callable(lambda t: None, n),
+        TypeError,
+        "sampler returned NoneType; expected a list or tensor of token ids",
+    ),
+}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(("make_sampler", "error", "message"), BAD_SAMPLERS.values(), ids=BAD_SAMPLERS)
+def test_a_plugged_in_samplers_bad_tokens_fail_their_step_which_is_rolled_back(
+    model, make_sampler, error, message, async_scheduling
+):
+    config = EngineConfig(
+        block_size=8, num_blocks=10, max_batch_tokens=24, dtype=torch.float32, async_scheduling=async_scheduling
+    )
+    prompts, params = model_workload(model, seed=1, sampled=True)
+    expected = [o.output_token_ids for o in Engine(model, config).generate(prompts, params)]
+    engine = Engine(model, config, sampler=make_sampler(4))  # the 4th draw goes wrong
+    ids = [engine.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+    failures = 0
+    while engine.has_unfinished():
+        before = engine_state(engine)
+        try:
+            engine.step()
+        except (TypeError, ValueError) as raised:
+            assert isinstance(raised, error) and re.search(message, str(raised)), raised
+            assert engine_state(engine) == before
+            failures += 1
+    assert failures == 1
+    assert [engine.requests[i].output_token_ids for i in ids] == expected
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_the_built_in_samplers_tokens_are_not_checked(model, monkeypatch):
+    # Checking a tensor's range waits for the device: the built-in Sampler, whose tokens are known good, never pays.
+    monkeypatch.setattr(labkit.runtime.runner, "checked_samples", lambda *args: pytest.fail("checked"))
+    prompts, params = model_workload(model, seed=1, sampled=True)
+    outputs = Engine(model, EngineConfig(num_blocks=16), sampler=Sampler(seed=0)).generate(prompts, params)
+    assert all(o.finish_reason == "length" for o in outputs)
 
 
 # ---------------------------------------------------------------------------------------------------- generate

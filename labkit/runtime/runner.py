@@ -40,7 +40,7 @@ from labkit.runtime.attention import (
     use_paged_attention,
 )
 from labkit.runtime.packed import PackedLinears
-from labkit.runtime.sampling import Sampler, feed_back_samples
+from labkit.runtime.sampling import Sampler, checked_samples, feed_back_samples
 
 # num_blocks=None on CPU: a fixed KV-cache budget, small next to any machine's RAM.
 CPU_CACHE_BYTES = 256 * 2**20
@@ -75,7 +75,8 @@ class ModelRunner:
     (signature of :func:`labkit.runtime.attention.slot_mapping`), ``attention_fn`` (signature of
     :func:`labkit.runtime.attention.paged_attention`, called per request and layer instead of the batched
     fast path; both need the torch attention backend) and ``sampler`` (a :class:`Sampler`, or a callable with
-    its signature).
+    its signature). A plugged-in sampler's tokens are checked in the step that drew them (at one wait for the
+    device), so that a bad one fails that step, which the engine rolls back, instead of a later one.
     """
 
     def __init__(
@@ -236,9 +237,16 @@ class ModelRunner:
                 logits, sampling_requests = self._eager_logits(output, tables, rows_before, samples_before)
             params = [r.params for r in sampling_requests]
             indices = [len(r.output_token_ids) for r in sampling_requests]
-            if isinstance(self.sampler, Sampler):
-                return self.sampler.sample(logits, params, indices), sampling_requests
-            return self.sampler(logits, params, indices), sampling_requests
+            sampler = self.sampler
+            if isinstance(sampler, Sampler):
+                samples = sampler.sample(logits, params, indices)
+            else:
+                samples = sampler(logits, params, indices)
+            if type(sampler) is not Sampler:  # plugged in: a bad token fails this step, which is rolled back
+                samples = checked_samples(
+                    samples, self.vocab_size, self.device, [r.request_id for r in sampling_requests]
+                )
+            return samples, sampling_requests
 
     def _eager_logits(
         self,

@@ -10,11 +10,12 @@ token by inverse-CDF sampling over the filtered distribution, one row per reques
 from __future__ import annotations
 
 import random
+import reprlib
 from collections.abc import Sequence
 
 import torch
 
-from labkit.core.request import SamplingParams
+from labkit.core.request import SamplingParams, as_token_id
 
 _MASK64 = (1 << 64) - 1
 
@@ -70,6 +71,8 @@ class Sampler:
             top_p=values[3].float(),
             uniform=values[4],
         )
+        if type(self).sample_rows is not Sampler.sample_rows:  # a learner's (exercise 6): its shape and dtype
+            tokens = token_tensor(tokens, len(sampled_rows), greedy.device, "sample_rows")
         greedy[rows] = tokens
         return greedy
 
@@ -111,6 +114,66 @@ class Sampler:
         target = (uniform * cdf[:, -1])[:, None]
         index = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)
         return sorted_ids.gather(1, index).squeeze(1)
+
+
+def checked_samples(
+    samples: object, vocab_size: int, device: torch.device, request_ids: Sequence[int]
+) -> torch.Tensor | list[int]:
+    """A plugged-in sampler's tokens, one per row of ``request_ids``, checked; else a TypeError/ValueError naming
+    the problem and the row.
+
+    A token outside the vocabulary would fail only in a later step (as an embedding lookup past the table, on a
+    GPU a device-side assert that ends the process's CUDA context), with the bad token already in the request.
+    A list is checked on the host; a tensor's range costs one wait for the device, which the built-in Sampler,
+    trusted, never pays.
+    """
+    num_rows = len(request_ids)
+    if isinstance(samples, torch.Tensor):
+        tokens = token_tensor(samples, num_rows, device, "sampler")
+        outside = (tokens < 0) | (tokens >= vocab_size)
+        if outside.any():
+            row = int(outside.nonzero()[0, 0])
+            raise _outside(int(tokens[row]), row, request_ids[row], vocab_size)
+        return tokens
+    if isinstance(samples, (str, bytes)) or not hasattr(samples, "__len__"):
+        raise TypeError(f"sampler returned {type(samples).__name__}; expected a list or tensor of token ids")
+    if len(samples) != num_rows:
+        raise ValueError(f"sampler returned {len(samples)} tokens for {num_rows} rows; expected one token per row")
+    checked = []
+    for row, sample in enumerate(samples):
+        token = as_token_id(sample)
+        if token is None:
+            what = f"{type(sample).__name__} {reprlib.repr(sample)}"
+            raise TypeError(f"sampler returned {what} for row {row} (request {request_ids[row]}); token ids are ints")
+        if not 0 <= token < vocab_size:
+            raise _outside(token, row, request_ids[row], vocab_size)
+        checked.append(token)
+    return checked
+
+
+def token_tensor(tokens: object, num_rows: int, device: torch.device, source: str) -> torch.Tensor:
+    """``tokens`` as a (num_rows,) long tensor on ``device``, checked for what needs no wait for the device: a
+    tensor (or a list) of integers, one per row; ``source`` names who returned them in the error."""
+    if not isinstance(tokens, torch.Tensor):
+        try:
+            tokens = torch.as_tensor(tokens)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"{source} returned {type(tokens).__name__}; expected a tensor of token ids") from None
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise TypeError(f"{source} returned tokens of dtype {tokens.dtype}; token ids are integers (torch.long)")
+    if tokens.shape != (num_rows,):
+        raise ValueError(
+            f"{source} returned tokens of shape {tuple(tokens.shape)} for {num_rows} rows; expected one token per"
+            f" row, shape ({num_rows},)"
+        )
+    return tokens.to(device=device, dtype=torch.long)
+
+
+def _outside(token: int, row: int, request_id: int, vocab_size: int) -> ValueError:
+    return ValueError(
+        f"sampler returned token {token} for row {row} (request {request_id}); the vocabulary has {vocab_size}"
+        f" tokens, 0 to {vocab_size - 1}"
+    )
 
 
 def feed_back_samples(input_ids: torch.Tensor, samples: torch.Tensor) -> None:

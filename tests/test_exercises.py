@@ -447,6 +447,27 @@ def test_ex2_the_position_for_its_offset_a_boundary_and_missing_padding_are_name
     assert "you returned 1 slot for 4 packed tokens" in padding["padding rows write to the scratch slot"]
 
 
+def slots_one_past(segments, block_size, scratch):
+    return [slot + 1 if slot != scratch else slot for slot in slot_mapping(segments, block_size, scratch)]
+
+
+def test_ex2_a_block_boundary_is_named_only_where_a_slot_inside_a_block_came_out_right():
+    """A case of one token at position 0 has every real position on a boundary: any mistake there would be named
+    as a boundary mistake, which these are not."""
+    for planted in (slots_one_past, slots_without_block_size):
+        _, messages = failing(2, planted)
+        first = messages["a prompt's first token goes to the first slot of its first block"]
+        assert "block boundary" not in first
+    _, messages = failing(2, slots_without_block_size)
+    for name in (
+        "a prompt's first token goes to the first slot of its first block",
+        "a prompt crosses block boundaries",
+    ):
+        assert "block b starts at slot b * block_size" in messages[name]
+    _, boundary = failing(2, slots_a_block_early_on_a_boundary)
+    assert "block boundary" in boundary["a chunk that starts mid-block begins at its start position"]
+
+
 def test_ex2_a_tensor_in_place_of_a_list_is_named():
     _, messages = failing(
         2, lambda segments, block_size, scratch: torch.tensor(slot_mapping(segments, block_size, scratch))
@@ -462,7 +483,7 @@ def test_ex2_a_diagnosis_that_cannot_run_is_not_the_learners_error():
         _, messages = failing(2, planted)
         text = messages["padding rows write to the scratch slot"]
         assert "raised" not in text and "expected: [30, 999, 999, 999]" in text and f"got:      {got}" in text
-        assert "(segment 0, position 2). position p of a request lives in slot" in text
+        assert "(segment 0, position 2). " in text and "position p of a request lives in slot" in text
 
 
 # ------------------------------------------------------------------ exercise 3

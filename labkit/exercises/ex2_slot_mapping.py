@@ -61,8 +61,9 @@ def _diagnose(segments: list[Any], block_size: int, got: list[int]) -> str:
 
     Each mistake is replayed on labkit's slot_mapping with the segments changed to match it; one that cannot
     run on these segments (a padding segment's table is too short to write through) is skipped, since an
-    error there is labkit's, not the learner's. Two more are named from the slots themselves: the position added
-    in place of its offset in the block, and a wrong block for exactly the positions on a block boundary.
+    error there is labkit's, not the learner's. Three more are named from the slots themselves: the position added
+    in place of its offset in the block, the block id not multiplied by block_size, and a wrong block for exactly
+    the positions on a block boundary (only where a position inside a block came out right).
     """
     from labkit.runtime.attention import slot_mapping
 
@@ -88,9 +89,18 @@ def _diagnose(segments: list[Any], block_size: int, got: list[int]) -> str:
             return text
     if got == _slots_with_positions(segments, block_size):
         return "Your slots add the position p inside its block, not its offset p % block_size. "
+    if block_size > 1 and got == _slots_without_block_size(segments, block_size):
+        return (
+            "Your slots add the offset to the block id itself: a block holds block_size slots, so block b starts"
+            " at slot b * block_size. "
+        )
     expected = slot_mapping(segments, block_size, SCRATCH)
-    wrong = [p for p, a, b in zip(_positions(segments), expected, got, strict=True) if a != b]
-    if block_size > 1 and all(p is not None and p % block_size == 0 for p in wrong):
+    pairs = list(zip(_positions(segments), expected, got, strict=True))
+    wrong = [p for p, a, b in pairs if a != b]
+    # Only when some position off a boundary came out right: a case whose every real position is on one (a
+    # single token at position 0) says nothing about boundaries, whatever the mistake.
+    right_mid_block = any(p is not None and p % block_size and a == b for p, a, b in pairs)
+    if block_size > 1 and right_mid_block and all(p is not None and p % block_size == 0 for p in wrong):
         return (
             "Every wrong slot is at a position on a block boundary (p % block_size == 0): position k * block_size"
             " is the first slot of block_table[k], not a slot of the block before or after. "
@@ -102,6 +112,15 @@ def _slots_with_positions(segments: list[Any], block_size: int) -> list[int]:
     """The slot mapping with the position p in place of its offset p % block_size: a classic mistake."""
     return [
         s.block_table[p // block_size] * block_size + p if s.writes_cache else SCRATCH
+        for s in segments
+        for p in range(s.start, s.start + s.num_tokens)
+    ]
+
+
+def _slots_without_block_size(segments: list[Any], block_size: int) -> list[int]:
+    """The slot mapping with the block id not multiplied by block_size: a classic mistake."""
+    return [
+        s.block_table[p // block_size] + p % block_size if s.writes_cache else SCRATCH
         for s in segments
         for p in range(s.start, s.start + s.num_tokens)
     ]

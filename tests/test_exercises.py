@@ -236,6 +236,29 @@ def test_ex1_a_free_to_the_front_of_the_queue_is_named_by_the_queues_order(plant
         assert "first in, first out" in message, message
 
 
+class FreesInReverse(BlockAllocator):
+    """Releases the request's blocks last block first, as vLLM's free does (there for its eviction order)."""
+
+    def free(self, request_id):
+        table = self.block_tables.pop(request_id)
+        del self.num_slots[request_id]
+        released = []
+        for block in reversed(table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                released.append(block)
+                self.free_blocks.append(block)
+                self.events.append(BlockEvent("free", block, request_id, self.step))
+        return released
+
+
+def test_ex1_a_free_in_reverse_table_order_is_named_in_every_case_it_breaks():
+    _, messages = failing(1, FreesInReverse)
+    assert "a shared block stays in use until its last reference is freed" in messages
+    for message in messages.values():  # not "only when its reference count drops to 0", nor the case's own rule
+        assert "in table order, its first block first (not reversed)" in message, message
+
+
 class AllocateWithoutRefCounts(BlockAllocator):
     """Takes the right blocks but leaves their reference counts at 0."""
 

@@ -135,17 +135,38 @@ def _replaced_table(op: Op, want: dict[str, Any], have: dict[str, Any]) -> bool:
     return theirs[len(theirs) - len(mine) :] == mine
 
 
+TABLE_ORDER_HINT = (
+    "free releases the request's blocks in table order, its first block first (not reversed): it returns them"
+    " in that order and appends them to the right end of the free queue in that order, so that the queue stays"
+    " first in, first out"
+)
+
+
+def _reordered(expected: Any, got: Any) -> bool:
+    """Whether free returned the right blocks in another order."""
+    return isinstance(got, list) and isinstance(expected, list) and got != expected and sorted(got) == sorted(expected)
+
+
 def _named_hint(
-    op: Op, got: Any, same_return: bool, differ: list[str], want: dict[str, Any], have: dict[str, Any], hint: str
+    op: Op,
+    expected: Any,
+    got: Any,
+    differ: list[str],
+    want: dict[str, Any],
+    have: dict[str, Any],
+    hint: str,
 ) -> str:
     """The case's hint, unless the difference itself names the mistake: a table replaced instead of grown, blocks
-    that allocate took into no table, num_slots alone, the reference counts alone, or the free queue's order."""
+    that allocate took into no table, free's blocks in another order than the table's, num_slots alone, the reference
+    counts alone, or the free queue's order."""
     if "block tables" in differ and _replaced_table(op, want, have):
         return GROW_TABLE_HINT
     lost = _lost(have["free queue"], have["block tables"].values(), len(have["ref counts"]))
     if op[0] in ("allocate", "append_slot") and lost:  # the state before op was labkit's, which loses none
         return _lost_hint(lost, raised=isinstance(got, type))  # _apply returns the type of an error allocate raised
-    if not same_return:
+    if op[0] == "free" and _reordered(expected, got):
+        return TABLE_ORDER_HINT
+    if expected != got:
         return hint
     if differ == ["num_slots"]:
         return NUM_SLOTS_HINT
@@ -183,7 +204,7 @@ def replay(cls: Any, num_blocks: int, block_size: int, ops: list[Op], hint: str,
             differ = [k for k in want if want[k] != have[k]]
             expected_text = "\n".join([_show(expected)] + [f"{k}: {want[k]}" for k in differ])
             got_text = "\n".join([_show(got)] + [f"{k}: {have[k]}" for k in differ])
-            named = _named_hint(op, got, expected == got, differ, want, have, hint)
+            named = _named_hint(op, expected, got, differ, want, have, hint)
             raise Mismatch("\n".join(done), expected_text, got_text, named)
 
 

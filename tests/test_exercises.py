@@ -523,6 +523,7 @@ class LearnerScheduler(Scheduler):
     labels = True  # a chunk is a prefill while its request is PREFILLING
     spare_block = 0  # 1: preempts while a request needs as many blocks as are free, not more
     empty_chunks = False  # admits with a budget of 0, planning chunks of no tokens
+    restarts = False  # a running request's chunk starts at token 0, not at its num_computed_tokens
 
     def schedule_continuous(self):
         cfg, allocator = self.config, self.allocator
@@ -552,7 +553,7 @@ class LearnerScheduler(Scheduler):
                 break
             allocator.allocate(request.request_id, end)
             prefill = request.state is RequestState.PREFILLING and self.labels
-            output.add_chunk(request, request.num_computed_tokens, n, prefill)
+            output.add_chunk(request, 0 if self.restarts else request.num_computed_tokens, n, prefill)
             budget -= n
             i += 1
         while live > runnable:
@@ -580,6 +581,19 @@ class LearnerScheduler(Scheduler):
             output.add_chunk(request, 0, n, True)
             budget -= n
         return budget
+
+
+class RestartsRunning(LearnerScheduler):
+    restarts = True
+
+
+def test_ex3_a_running_chunk_that_does_not_continue_from_num_computed_tokens_is_named():
+    _, messages = failing(3, RestartsRunning)
+    text = messages["a lone prompt is prefilled in one step, then decodes one token a step"]
+    assert "expected: step 2: decode r0 [6:7]" in text and "got:      step 2: decode r0 [0:1]" in text
+    assert "r0 is running with 6 tokens computed, so its chunk starts at token 6, not 0" in text
+    for message in messages.values():
+        assert "continues from request.num_computed_tokens" in message, message
 
 
 class AdmitsAfterPreempting(LearnerScheduler):

@@ -79,9 +79,17 @@ RECOMPUTED_HINT = (
     " (its prompt and the tokens it generated, which it keeps), not just its prompt"
 )
 
+CONTINUE_HINT = (
+    "r{id} is running with {computed} tokens computed, so its chunk starts at token {computed}, not {start}: a"
+    " running request's chunk continues from request.num_computed_tokens (output.add_chunk(request,"
+    " request.num_computed_tokens, n, ...)), and its blocks must cover num_computed_tokens + n tokens"
+)
+
 
 def divergence_hint(expected: StepReport, got: StepReport, preempted_before: set[int]) -> str | None:
-    """A hint naming how the learner's step differs from labkit's, when the difference itself says; else None."""
+    """A hint naming how the learner's step differs from labkit's, when the difference itself says (whom it preempts,
+    the order it admits in, how much a recomputed request recomputes, where a running request's chunk starts);
+    else None."""
     if list(expected.preempted) != list(got.preempted):
         return PREEMPTED_HINT
     if expected.admitted != got.admitted and sorted(expected.admitted) == sorted(got.admitted):
@@ -91,6 +99,10 @@ def divergence_hint(expected: StepReport, got: StepReport, preempted_before: set
         want = lengths.get(work.request_id)
         if work.request_id in preempted_before and work.start == 0 and want and want != (0, work.num_tokens):
             return RECOMPUTED_HINT.format(id=work.request_id)
+    for work in got.scheduled:
+        want = lengths.get(work.request_id)
+        if want and want[0] != work.start and work.request_id not in got.admitted:
+            return CONTINUE_HINT.format(id=work.request_id, start=work.start, computed=want[0])
     return None
 
 

@@ -885,6 +885,10 @@ def test_ex4_blocks_freed_too_late_are_named_by_whom_the_step_preempts():
     text = messages["a preempted request's output is unchanged"]
     assert "got:      step 5: decode r0 [13:14]; preempted [3, 2, 1]" in text
     assert "preempt() frees the victim's blocks at once" in text
+    blocks = messages["the victim's blocks all go back to the free queue"]  # by the end of the step they had
+    assert "expected: r2 owns no blocks once preempt(output, r2) returns" in blocks
+    assert "r2 still owned 1 block (ids [2]) when preempt returned" in blocks
+    assert "not later in requeue_preempted()" in blocks
 
 
 class ClearsItsOutput(Scheduler):

@@ -36,8 +36,17 @@ def _scenario(cls: Any) -> tuple[Engine, str]:
 def _preempting_step(cls: Any) -> tuple[Engine, Any, dict[str, Any], str]:
     """Serve the scenario with ``cls`` until a step preempts; return the engine, that report and the state before."""
     engine, text = _scenario(cls)
+    held: dict[Any, list[int]] = {}  # each victim's blocks as preempt() returned: none, if it freed them then
+    preempt = engine.scheduler.preempt
+
+    def watched(output: Any, victim: Any) -> None:
+        preempt(output, victim)
+        held.setdefault(victim.request_id, list(engine.allocator.block_tables.get(victim.request_id, ())))
+
+    engine.scheduler.preempt = watched  # this engine's scheduler only: an instance attribute
     for _ in range(3):
         before = {"blocks": len(engine.allocator.block_tables.get(VICTIM, ())), "free": engine.num_free_blocks}
+        before["held after preempt"] = held
         report = engine.step()
         text += f"\nstep {report.step}: {step_text(report)}"
         showing(text)
@@ -67,7 +76,12 @@ def _listed(engine: Engine, report: Any, before: dict[str, Any]) -> tuple[str, s
 
 
 def _blocks(engine: Engine, report: Any, before: dict[str, Any]) -> tuple[str, str] | None:
-    owns = engine.allocator.block_tables.get(VICTIM)
+    kept, owns = before["held after preempt"].get(VICTIM), engine.allocator.block_tables.get(VICTIM)
+    if kept and owns is None:  # freed later (in requeue_preempted, say): too late for the request needing a block
+        return (
+            f"r{VICTIM} owns no blocks once preempt(output, r{VICTIM}) returns",
+            f"r{VICTIM} still owned {len(kept)} block{'s' * (len(kept) != 1)} (ids {kept}) when preempt returned",
+        )
     if owns is not None:
         return (
             f"r{VICTIM} owns no blocks",
@@ -177,7 +191,8 @@ CASES = [
     _victim_case(
         "the victim's blocks all go back to the free queue",
         "in preempt(), self.allocator.free(victim.request_id): a preempted request keeps no blocks, that is"
-        " the point of preempting it",
+        " the point of preempting it; and it gives them back in preempt() itself, not later in"
+        " requeue_preempted(), so that the running request that needed a block gets one in this very step",
         _blocks,
     ),
     _victim_case(

@@ -36,7 +36,8 @@ class MySampler(Sampler):
         0.25 with ``top_p = 0.5`` keep two, not three, as in Hugging Face's and vLLM's top-p.
         Then walk the kept tokens, again in decreasing probability (not in vocabulary order; among equal
         probabilities any order will do), and pick the first whose cumulative probability exceeds ``uniform``
-        times the kept mass (inverse CDF): the same uniform must draw the same token as labkit's sampler. Use
+        times the kept mass, strictly (inverse CDF; a cumulative probability equal to it picks the next token):
+        the same uniform must draw the same token as labkit's sampler. Use
         no other randomness (the checker calls it twice with the same input). You may loop over the rows.
         Greedy requests (temperature 0) never reach ``sample_rows``: ``Sampler.sample`` takes their argmax.
         """

@@ -183,6 +183,22 @@ def test_ex1_a_free_that_keeps_num_slots_is_named_in_every_case_it_breaks():
         assert "free removes the request from num_slots as well as from block_tables" in text
 
 
+class NoTableForNoTokens(BlockAllocator):
+    """Creates no block table for a request allocated 0 tokens."""
+
+    def allocate(self, request_id, num_tokens, prefix=None):
+        if num_tokens == 0 and request_id not in self.block_tables:
+            return []
+        return super().allocate(request_id, num_tokens, prefix)
+
+
+def test_ex1_a_request_allocated_no_tokens_must_get_an_empty_table():
+    _, messages = failing(1, NoTableForNoTokens)
+    text = messages["allocate takes new blocks from the front of the free queue"]
+    assert "allocate('c', 0)" in text and "'c': []" in text
+    assert "gets its table all the same, empty, and num_slots 0" in text
+
+
 def test_ex1_planted_mistakes_are_named():
     _, leak = failing(1, LeakyFree)
     text = leak["free gives every block back to the end of the free queue"]

@@ -341,9 +341,10 @@ CASES = [
         "allocate takes new blocks from the front of the free queue",
         8,
         4,
-        [("allocate", "a", 6), ("allocate", "b", 1)],
+        [("allocate", "a", 6), ("allocate", "b", 1), ("allocate", "c", 0)],
         "pop blocks from the left of self.free_blocks, set each one's reference count to 1, extend the request's"
-        " block table (self.block_tables) and record num_slots[request] = num_tokens; return the new blocks",
+        " block table (self.block_tables) and record num_slots[request] = num_tokens; return the new blocks. A"
+        " request with no tokens yet gets its table all the same, empty, and num_slots 0",
     ),
     _ops_case(
         "allocate adds only the blocks a request still lacks",

@@ -292,7 +292,8 @@ RESCALE_HINT = (
 CDF_HINT = (
     "walk the kept tokens in order of decreasing probability, not in vocabulary order: sort the probabilities"
     " descending (keeping the token ids, e.g. torch.sort's indices), cumsum them and take the first token whose"
-    " cumulative probability exceeds uniform times the kept mass. Each token's share is the same in either"
+    " cumulative probability exceeds uniform times the kept mass, strictly (torch.searchsorted needs right=True)."
+    " Each token's share is the same in either"
     " order, but not the token a given uniform draws, and a seeded request must draw labkit's tokens"
 )
 TOP_P_ORDER_HINT = (

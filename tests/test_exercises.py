@@ -1779,7 +1779,11 @@ def test_labkit_check_prints_progress_and_json(tmp_path, capsys):
     assert "Block allocator" in out and "passed" in out and "not started" in out and "1 of 8 exercises pass" in out
     rows = [line.split()[1] for line in out.splitlines() if re.match(r"│ \d │", line)]
     assert rows == ["6", "7", "1", "2", "5", "3", "4", "8"], "the table lists the exercises in course order"
-    assert "Next: exercise 6, after notebook 01." in out, "next is the first in the course that does not pass"
+    assert "Next: exercise 6, after notebook 01. Its feedback: labkit check 6" in out, "the first that does not pass"
+    assert main(["check", "2", "--path", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "0 of 1 exercises pass" in out and 'raises NotImplementedError("Exercise 2")' in out, "its feedback"
+    assert "Next:" not in out
     assert main(["check", "1", "--json", "--path", str(tmp_path)]) == 0
     [entry] = json.loads(capsys.readouterr().out)
     assert entry["status"] == "passed" and entry["passed"] == entry["cases"] == len(get(1).cases)

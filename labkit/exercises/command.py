@@ -30,7 +30,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("numbers", nargs="*", type=int, help="exercises to check (default: all)")
     parser.add_argument("--path", help="the folder holding your exercise files (default: ./exercises)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON (for instructors)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="print the feedback of every failing exercise")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="print the feedback of every failing exercise (always, when one exercise is named)",
+    )
     parser.add_argument(
         "-w", "--watch", action="store_true", help="stay on: check an exercise again each time its file is saved"
     )
@@ -48,7 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(entries, indent=2))
         return 0 if all(r.passed for r in results) else 1
     console = Console()
-    show_progress(chosen, results, console, verbose=args.verbose)
+    # One exercise named: the learner is working on it, so its feedback is what they came for.
+    show_progress(chosen, results, console, verbose=args.verbose or len(args.numbers) == 1)
     if args.watch:
         results = watch(chosen, results, args.path, console)
     return 0 if all(r.passed for r in results) else 1
@@ -79,7 +85,7 @@ def show_progress(chosen: list[Exercise], results: list[CheckResult], console: C
     if following is not None and not verbose:
         console.print(
             f"Next: exercise {following.number}, after notebook {' and '.join(following.after)}."
-            f" Details: labkit check {following.number} -v",
+            f" Its feedback: labkit check {following.number}",
             highlight=False,
         )
 

@@ -52,8 +52,8 @@ class MyScheduler(Scheduler):
         A step that fails after planning (the model raises) is rolled back, but it may already have written
         keys and values into the blocks its victims gave up: ``self.evict_first`` lists those victims (the
         ``Request`` objects; empty unless the last plan was rolled back), and the ones not finished since
-        (``request.state is not RequestState.FINISHED``) are the last of ``self.running``. In step 1, walk only
-        the running requests before them; after it, preempt each of them not yet preempted, youngest first (from the
-        end of ``self.running``); such a step admits nothing.
+        (``request.state is not RequestState.FINISHED``) are the last of ``self.running``. The walk of item 1
+        visits only the running requests before them; after that walk, preempt each of them not yet preempted,
+        youngest first (from the end of ``self.running``); such a step admits nothing (item 2 is skipped).
         """
         raise NotImplementedError("Exercise 3")

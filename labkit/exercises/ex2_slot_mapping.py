@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing
@@ -87,9 +88,9 @@ def _diagnose(segments: list[Any], block_size: int, got: list[int]) -> str:
             continue
         if would_give == got:
             return text
-    if got == _slots_with_positions(segments, block_size):
+    if got == _mistaken_slots(segments, block_size, lambda block, p: block * block_size + p):
         return "Your slots add the position p inside its block, not its offset p % block_size. "
-    if block_size > 1 and got == _slots_without_block_size(segments, block_size):
+    if block_size > 1 and got == _mistaken_slots(segments, block_size, lambda block, p: block + p % block_size):
         return (
             "Your slots add the offset to the block id itself: a block holds block_size slots, so block b starts"
             " at slot b * block_size. "
@@ -108,19 +109,11 @@ def _diagnose(segments: list[Any], block_size: int, got: list[int]) -> str:
     return ""
 
 
-def _slots_with_positions(segments: list[Any], block_size: int) -> list[int]:
-    """The slot mapping with the position p in place of its offset p % block_size: a classic mistake."""
+def _mistaken_slots(segments: list[Any], block_size: int, slot: Callable[[int, int], int]) -> list[int]:
+    """The slot mapping that a classic mistake computes: ``slot(block, p)`` for each real position p in its
+    block ``block``, the scratch slot for padding."""
     return [
-        s.block_table[p // block_size] * block_size + p if s.writes_cache else SCRATCH
-        for s in segments
-        for p in range(s.start, s.start + s.num_tokens)
-    ]
-
-
-def _slots_without_block_size(segments: list[Any], block_size: int) -> list[int]:
-    """The slot mapping with the block id not multiplied by block_size: a classic mistake."""
-    return [
-        s.block_table[p // block_size] + p % block_size if s.writes_cache else SCRATCH
+        slot(s.block_table[p // block_size], p) if s.writes_cache else SCRATCH
         for s in segments
         for p in range(s.start, s.start + s.num_tokens)
     ]

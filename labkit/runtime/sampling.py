@@ -170,6 +170,7 @@ def token_tensor(tokens: object, num_rows: int, device: torch.device, source: st
 
 
 def _outside(token: int, row: int, request_id: int, vocab_size: int) -> ValueError:
+    """The error for a sampled token outside the vocabulary, naming its row and request."""
     return ValueError(
         f"sampler returned token {token} for row {row} (request {request_id}); the vocabulary has {vocab_size}"
         f" tokens, 0 to {vocab_size - 1}"

@@ -2,11 +2,11 @@
 # The one command to run on a machine with an NVIDIA GPU: the GPU tests, then benchmarks/gpu_check.py.
 # Everything lands under $OUT (default ./gpu_results): versions, test logs, results JSON, summary table, traces.
 # Budget (under the 10 minutes of one command; each limit an environment variable, for a shorter slot):
-# TESTS_SECONDS (200) for the tests (Triton compiles each kernel variant once, some 80 of them), in two pytest
+# TESTS_SECONDS (180) for the tests (Triton compiles each kernel variant once, some 80 of them), in two pytest
 # sessions so that a file that cannot import (hypothesis missing, say) costs only its own session: the kernel,
 # graph and prefix-cache files get 3/4 of it, the CUDA cases of tests/test_async_scheduling.py what is left (at
-# least 1/5). CHECK_SECONDS (360) for
-# gpu_check.py, which starts no part after CHECK_BUDGET (270; by default CHECK_SECONDS - 90, or half of a
+# least 1/5). CHECK_SECONDS (350) for
+# gpu_check.py, which starts no part after CHECK_BUDGET (260; by default CHECK_SECONDS - 90, or half of a
 # CHECK_SECONDS under 180) and lets transformers' run go on at most 45 s past that (so it still prints its
 # table); it rewrites its JSON after each part, so a run cut short keeps what it measured. A process that
 # ignores the stop is killed 10 s on; a test that hangs for 90 s dumps every thread's stack into its log.
@@ -16,8 +16,8 @@ OUT="${OUT:-gpu_results}"
 mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"  # absolute: a relative $OUT names the caller's folder, not the repo's
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-$(command -v python3 || command -v python)}"
-TESTS_SECONDS="${TESTS_SECONDS:-200}"
-CHECK_SECONDS="${CHECK_SECONDS:-360}"
+TESTS_SECONDS="${TESTS_SECONDS:-180}"
+CHECK_SECONDS="${CHECK_SECONDS:-350}"
 CHECK_BUDGET="${CHECK_BUDGET:-$(( CHECK_SECONDS >= 180 ? CHECK_SECONDS - 90 : CHECK_SECONDS / 2 ))}"
 # TRITON_INTERPRET=0: the kernels run compiled even where the tests' conftest sees no /dev/nvidiactl.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRITON_INTERPRET=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

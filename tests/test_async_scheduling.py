@@ -410,7 +410,9 @@ def test_triton_path_with_decode_graphs(model: Any, prompts: list, references: l
         references = [greedy_reference(on_device, prompt, MAX_NEW_TOKENS) for prompt in prompts]
     params = stopping(references)
     expected = [truncated(tokens, p.stop_token_ids[0]) for tokens, p in zip(references, params, strict=True)]
+    # A cache of its own size: one sized from free memory would be most of a large GPU's, zeroed for a tiny model.
     options = {"device": "cuda" if cuda else "cpu", "dtype": "float32", "attention_backend": "triton"}
+    options["num_blocks"] = 256
     outputs, reports, engine = serve(
         model, prompts[:6], params[:6], max_num_seqs=4, max_batch_tokens=64, use_cuda_graph=True,
         async_scheduling=True, **options,

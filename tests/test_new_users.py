@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import transformers
 from transformers import GenerationConfig, GPT2Config, LlamaConfig, LlamaModel
 
 import labkit
@@ -117,6 +118,36 @@ def test_a_torch_module_with_a_config_but_no_lm_head_method_is_refused_as_a_base
     module.config = model.config
     with pytest.raises(TypeError, match=r"Linear has no LM head.*AutoModelForCausalLM"):
         Engine(module, EngineConfig(num_blocks=4, device="cpu"))
+
+
+def _tiny(config_class: type, model_class: type, **overrides: object) -> torch.nn.Module:
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    return model_class(
+        config_class(**shape, num_key_value_heads=1, head_dim=16, max_position_embeddings=128, **overrides)
+    )
+
+
+def test_a_model_whose_attention_needs_a_term_labkit_does_not_compute_is_refused_at_construction():
+    """Gemma 2's logit soft-capping and gpt-oss's sinks reach an attention function as keyword arguments that
+    labkit's would ignore: the engine refuses the model instead of generating wrong tokens."""
+    gemma = _tiny(transformers.Gemma2Config, transformers.Gemma2ForCausalLM)
+    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM uses attention logit soft-capping.*generate"):
+        Engine(gemma, EngineConfig(num_blocks=4, device="cpu"))
+    sinks = _tiny(transformers.GptOssConfig, transformers.GptOssForCausalLM, num_local_experts=2, num_experts_per_tok=1)
+    with pytest.raises(ValueError, match=r"GptOssForCausalLM uses attention sinks"):
+        Engine(sinks, EngineConfig(num_blocks=4, device="cpu"))
+
+
+def test_gemma_2_without_soft_capping_matches_generate(greedy_reference):
+    """The same family without the missing term is served, sliding window and all, token for token."""
+    torch.manual_seed(0)
+    model = _tiny(
+        transformers.Gemma2Config, transformers.Gemma2ForCausalLM, attn_logit_softcapping=None, sliding_window=8
+    )
+    prompt = [1, 5, 9, 3, 7, 2, 11, 4, 6, 8, 10, 12]
+    engine = Engine(model, EngineConfig(num_blocks=32, block_size=4, device="cpu"))
+    [out] = engine.generate([prompt], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert out.output_token_ids == greedy_reference(model.eval(), prompt, 20)
 
 
 @pytest.mark.parametrize(

@@ -342,6 +342,29 @@ def test_cuda_graphs_default_to_on_only_for_triton_on_cuda_and_asking_for_them_n
     assert resolve_use_cuda_graph(False, "torch", gpu) is False
 
 
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+        {"full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}, "sliding_attention": {}},
+    ],
+    ids=["dynamic", "dynamic, per layer type"],
+)
+def test_a_rope_that_syncs_the_host_turns_cuda_graphs_off_by_default_and_refuses_them_when_asked(rope) -> None:
+    """Dynamic RoPE decides on the host, per step, from the GPU's positions: a graph capture would fail on it."""
+    from labkit.runtime.runner import graph_blocker, resolve_use_cuda_graph
+
+    gpu = torch.device("cuda")
+    scaled = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: SimpleNamespace(rope_parameters=rope)))
+    plain = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: SimpleNamespace(rope_parameters={})))
+    assert graph_blocker(plain) is None and "'dynamic' RoPE" in graph_blocker(scaled)
+    assert resolve_use_cuda_graph(None, "triton", gpu, plain) is True
+    assert resolve_use_cuda_graph(None, "triton", gpu, scaled) is False
+    assert resolve_use_cuda_graph(False, "triton", gpu, scaled) is False
+    with pytest.raises(ValueError, match="use_cuda_graph=True: its 'dynamic' RoPE"):
+        resolve_use_cuda_graph(True, "triton", gpu, scaled)
+
+
 def test_triton_needs_its_package_and_on_a_cpu_an_interpreter_that_runs_the_kernels(monkeypatch) -> None:
     import importlib.metadata
 

@@ -104,6 +104,12 @@ class ModelRunner:
         for name, part in (("slot_mapping_fn", slot_mapping_fn), ("attention_fn", attention_fn), ("sampler", sampler)):
             if part is not None and not callable(part):
                 raise TypeError(f"{name} must be callable, got {type(part).__name__}")
+        missing = attention_it_lacks(model)
+        if missing:
+            raise ValueError(
+                f"{type(model).__name__} uses {missing}, which labkit's attention does not compute: its tokens would"
+                " be wrong. Use transformers' generate for this model"
+            )
         if attention_fn is not None and uses_sliding_window(model):
             raise ValueError("an attention_fn attends to the whole context; this model uses a sliding window")
         backend = config.attention_backend
@@ -112,7 +118,7 @@ class ModelRunner:
                 raise ValueError("slot_mapping_fn and attention_fn need attention_backend='torch' (or 'auto')")
             backend = "torch"
         self.attention_backend = resolve_attention_backend(backend, self.device)
-        self.use_cuda_graph = resolve_use_cuda_graph(config.use_cuda_graph, self.attention_backend, self.device)
+        self.use_cuda_graph = resolve_use_cuda_graph(config.use_cuda_graph, self.attention_backend, self.device, model)
         first = next(model.parameters())
         self._model_was = (first.device, first.dtype)  # put back if the cache cannot be allocated
         self.model = model.to(device=self.device, dtype=dtype).eval()
@@ -383,6 +389,16 @@ def uses_sliding_window(model: Any) -> bool:
     return getattr(text, "sliding_window", None) is not None
 
 
+def attention_it_lacks(model: Any) -> str | None:
+    """A term of ``model``'s attention that labkit's kernels leave out (None: none). transformers passes such terms
+    to an attention function as keyword arguments, which labkit's would take and ignore without this check."""
+    if getattr(model.config.get_text_config(), "attn_logit_softcapping", None) is not None:
+        return "attention logit soft-capping (attn_logit_softcapping, as in Gemma 2)"
+    if any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules()):
+        return "attention sinks (a learned logit per head, as in gpt-oss)"
+    return None
+
+
 def blocks_beside_gather(
     budget: int, per_block: int, max_num_seqs: int, num_layers: int, blocks_per_request: int
 ) -> int:
@@ -542,14 +558,36 @@ def interpreter_runs_kernels() -> bool:
     return Version(triton_version()).release >= INTERPRETER_MIN_TRITON
 
 
-def resolve_use_cuda_graph(use_cuda_graph: bool | None, backend: str, device: torch.device) -> bool:
-    """None means on wherever the Triton backend runs on CUDA; True needs the Triton backend (graphs replay its
-    fixed-shape launches; on a CPU, under the interpreter, replays are simulated for tests)."""
+def resolve_use_cuda_graph(use_cuda_graph: bool | None, backend: str, device: torch.device, model: Any = None) -> bool:
+    """None means on wherever the Triton backend runs on CUDA and ``model`` can be captured; True needs the Triton
+    backend (graphs replay its fixed-shape launches; on a CPU, under the interpreter, replays are simulated for
+    tests) and a model that can be captured."""
+    blocker = None if model is None else graph_blocker(model)
     if use_cuda_graph is None:
-        return backend == "triton" and device.type == "cuda"
+        return backend == "triton" and device.type == "cuda" and blocker is None
     if use_cuda_graph and backend != "triton":
         raise ValueError("use_cuda_graph=True needs attention_backend='triton' (or 'auto' on CUDA with triton)")
+    if use_cuda_graph and blocker is not None:
+        raise ValueError(f"use_cuda_graph=True: {blocker}; leave use_cuda_graph unset (None) or set it to False")
     return use_cuda_graph
+
+
+def graph_blocker(model: Any) -> str | None:
+    """Why ``model``'s decode steps cannot be captured as a CUDA graph, or None if they can.
+
+    transformers' dynamic and longrope RoPE pick their frequencies from the step's largest position with a Python
+    ``if`` on a GPU value (in some versions), which waits for the GPU: a capture forbids that.
+    """
+    text = model.config.get_text_config()
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    per_layer_type = [value for value in rope.values() if isinstance(value, dict)]
+    for parameters in per_layer_type or [rope]:
+        kind = str(parameters.get("rope_type", parameters.get("type", "default")))
+        if "dynamic" in kind or kind == "longrope":
+            return (
+                f"its {kind!r} RoPE chooses its frequencies on the host in each step, which a CUDA graph cannot record"
+            )
+    return None
 
 
 def default_gpu_dtype(device: torch.device) -> torch.dtype:

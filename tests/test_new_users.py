@@ -21,6 +21,7 @@ from transformers import GenerationConfig, GPT2Config, LlamaConfig, LlamaModel
 import labkit
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel, generate_batch, load_trace
 from labkit.cli import main
+from labkit.core.blocks import BlockAllocator
 from labkit.runtime.hf import _sampling_params
 from labkit.runtime.runner import (
     CPU_CACHE_BYTES,
@@ -331,10 +332,34 @@ def test_a_tiny_temperature_samples_the_greedy_tokens(model, temperature, greedy
     assert [o.output_token_ids for o in outputs] == [greedy_reference(model, p, 6) for p in prompts]
 
 
-def test_negative_seeds_are_refused():
-    with pytest.raises(ValueError, match="seed must be >= 0"):
-        SamplingParams(seed=-1)
-    assert SamplingParams(seed=0).seed == 0
+def test_seeds_outside_the_samplers_64_bits_are_refused():
+    """The sampler draws from a seed's 64 bits: seeds 2**64 apart would give the same tokens."""
+    for seed in (-1, 2**64, 2**70):
+        with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*64\)"):
+            SamplingParams(seed=seed)
+    assert SamplingParams(seed=0).seed == 0 and SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+
+
+def test_a_refused_engine_leaves_the_model_as_it_was(model):
+    """An allocator that cannot be built (a learner's, without the prefix-caching keyword) refuses the engine after
+    the runner converted the model: the model goes back to its dtype, and a later engine may convert it again."""
+
+    class OldAllocator(BlockAllocator):
+        def __init__(self, num_blocks: int, block_size: int) -> None:
+            super().__init__(num_blocks, block_size)
+
+    config = EngineConfig(num_blocks=8, device="cpu", dtype="bfloat16", enable_prefix_caching=True)
+    with pytest.raises(TypeError, match="enable_prefix_caching"):
+        Engine(model, config, allocator_cls=OldAllocator)
+    assert next(model.parameters()).dtype == torch.float32
+    Engine(model, EngineConfig(num_blocks=8, device="cpu", dtype="float16"))  # no engine holds the model
+    model.to(torch.float32)
+
+
+@pytest.mark.parametrize("part", ["allocator_cls", "scheduler_cls"])
+def test_a_factory_that_makes_no_allocator_or_scheduler_is_refused_at_construction(part):
+    with pytest.raises(TypeError, match=rf"{part} made a NoneType, not a"):
+        Engine(SimulatedModel(), EngineConfig(num_blocks=8, block_size=4), **{part: lambda *args, **kwargs: None})
 
 
 @pytest.mark.parametrize("real", [float, np.float16, np.float32, np.float64, np.longdouble])

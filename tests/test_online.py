@@ -109,28 +109,42 @@ def test_eos_can_end_requests_when_not_ignored():
     assert all(run_workload(Engine(model), workload).outputs[i].finish_reason == "length" for i in range(20))
 
 
-def test_refused_request_leaves_the_engine_clean():
+def test_a_bad_request_is_refused_before_any_request_runs():
+    """The request arriving later is checked first: the valid ones are never started, then aborted for it."""
     e = Engine(SimulatedModel(max_model_len=32))
     workload = [WorkloadRequest([5] * 8, 4, 0.0), WorkloadRequest([5] * 30, 8, 0.2)]
-    with pytest.raises(ValueError, match="maximum length"):
+    with pytest.raises(ValueError, match=r"workload request 1: prompt \(30 tokens\).*maximum length"):
         run_workload(e, workload)
-    assert e.requests == {} and not e.scheduler.has_unfinished()
-    assert e.num_free_blocks == e.num_blocks
-    report = e.step()  # the request already added was aborted: the next step says so, and nothing is left
-    assert report.finished == {0: "abort"} and not e.has_unfinished()
+    assert e.requests == {} and not e.has_unfinished() and e.num_free_blocks == e.num_blocks
+    run = run_workload(e, workload[:1])  # the next run holds its own requests only
+    assert [r.finished for r in run.reports if r.finished] == [{0: "length"}]
 
 
-def test_a_failed_run_closes_its_progress_bar_before_the_error_surfaces(capsys):
+class Boom(Exception):
+    """The injected failure."""
+
+
+def test_a_run_that_fails_midway_aborts_its_requests_and_closes_its_progress_bar_first(capsys):
     """The bar's line is finished in the run, not whenever the traceback lets the bar go: the error prints below it."""
     e = Engine(SimulatedModel(max_model_len=32))
-    workload = [WorkloadRequest([5] * 8, 4, 0.0), WorkloadRequest([5] * 30, 8, 0.2)]
+    workload = [WorkloadRequest([5] * 8, 4, 0.0), WorkloadRequest([5] * 8, 8, 0.2)]
+
+    def fail_on_step_2(report):
+        if report.step == 2:
+            raise Boom
+
+    e.step_listeners.append(fail_on_step_2)
     try:
         run_workload(e, workload, progress=True)
-    except ValueError:  # read while the error is in flight, as a caller printing it would
+    except Boom:  # read while the error is in flight, as a caller printing it would
         err = capsys.readouterr().err
     else:
-        pytest.fail("the request too long for the model was accepted")
+        pytest.fail("the failing step listener did not stop the run")
     assert "serve" in err and err.endswith("\n")
+    e.step_listeners.remove(fail_on_step_2)
+    assert e.requests == {} and e.num_free_blocks == e.num_blocks
+    report = e.step()  # the request already added was aborted: the next step says so, and nothing is left
+    assert report.finished == {0: "abort"} and not e.has_unfinished()
 
 
 def test_bad_workloads():

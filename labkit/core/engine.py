@@ -132,11 +132,22 @@ class Engine:
         self.runner = make_runner(model, config, **{name: part for name, part in parts.items() if part is not None})
         self.clock = self.runner.clock
         num_blocks = self.runner.init_cache(config.block_size, config.num_blocks)
-        if config.enable_prefix_caching:
-            self.allocator = allocator_cls(num_blocks, config.block_size, enable_prefix_caching=True)
-        else:
-            self.allocator = allocator_cls(num_blocks, config.block_size)
-        self.scheduler = scheduler_cls(config, self.allocator)
+        try:
+            if config.enable_prefix_caching:
+                self.allocator = allocator_cls(num_blocks, config.block_size, enable_prefix_caching=True)
+            else:
+                self.allocator = allocator_cls(num_blocks, config.block_size)
+            if not isinstance(self.allocator, BlockAllocator):
+                raise TypeError(f"allocator_cls made a {type(self.allocator).__name__}, not a BlockAllocator")
+            self.scheduler = scheduler_cls(config, self.allocator)
+            if not isinstance(self.scheduler, Scheduler):
+                raise TypeError(f"scheduler_cls made a {type(self.scheduler).__name__}, not a Scheduler")
+        except BaseException:
+            # An engine refused here must not keep what its runner took: ModelRunner converted the model.
+            discard = getattr(self.runner, "discard", None)
+            if discard is not None:
+                discard()
+            raise
         self.requests: dict[int, Request] = {}
         self.step_listeners: list[Callable[[StepReport], None]] = []
         self._ids = itertools.count()
@@ -183,20 +194,10 @@ class Engine:
     ) -> int:
         """Queue a prompt (a sequence of token ids, or text when the engine has a tokenizer); return its request id.
 
-        Everything about the request is checked here, so a bad request is refused with a
+        Everything about the request is checked here (``check_request``), so a bad request is refused with a
         ValueError/TypeError before it touches the cache, and the other requests carry on.
         """
-        if params is None:
-            params = SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        token_ids = self._prompt_token_ids(prompt)
-        vocab = self.runner.vocab_size
-        for token in params.stop_token_ids:
-            if not 0 <= token < vocab:
-                raise ValueError(f"stop token id {token} is outside the vocabulary [0, {vocab})")
-        check_request_length(len(token_ids), params, self.runner.max_model_len)
-        self.scheduler.check_fits(len(token_ids), params.max_new_tokens)
+        token_ids, params = self.check_request(prompt, params)
         now = self.clock() if arrival_time is None else _arrival_time(arrival_time, self.clock())
         request_id = next(self._ids)
         request = Request(
@@ -209,6 +210,27 @@ class Engine:
         self.scheduler.add(request)
         self.requests[request_id] = request
         return request_id
+
+    def check_request(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None
+    ) -> tuple[list[int], SamplingParams]:
+        """Check a request as ``add_request`` does, without queueing it; return its prompt's token ids and params.
+
+        A caller with many requests (the online driver) checks them all first, so that a bad one is refused
+        before any of them runs.
+        """
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        token_ids = self._prompt_token_ids(prompt)
+        vocab = self.runner.vocab_size
+        for token in params.stop_token_ids:
+            if not 0 <= token < vocab:
+                raise ValueError(f"stop token id {token} is outside the vocabulary [0, {vocab})")
+        check_request_length(len(token_ids), params, self.runner.max_model_len)
+        self.scheduler.check_fits(len(token_ids), params.max_new_tokens)
+        return token_ids, params
 
     def abort(self, request_id: int) -> None:
         """Stop a request now; the next StepReport lists it as finished ("abort").

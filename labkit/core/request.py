@@ -66,8 +66,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None:
             self._set("seed", _as_int("seed", self.seed))
-            if self.seed < 0:
-                raise ValueError(f"seed must be >= 0 (or None), got {self.seed}")
+            if not 0 <= self.seed < 2**64:  # the sampler draws from the seed's 64 bits: a larger one would alias
+                raise ValueError(f"seed must be in [0, 2**64) (or None), got {self.seed}")
         if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
             raise TypeError("stop_token_ids must be a sequence of ints")
         self._set("stop_token_ids", tuple(_as_int("stop_token_ids item", t) for t in self.stop_token_ids))

@@ -147,6 +147,15 @@ class ModelRunner:
             self.attention_name = TRITON_ATTENTION_NAME
             self.uploader = StepUploader(self.device)
 
+    def discard(self) -> None:
+        """Undo ``init_cache`` for an engine that was refused after it: drop the cache and graphs, and put the model
+        back on the device and dtype it had (a no-op where another engine uses it, which refuses any change)."""
+        self.cache = self.graphs = None
+        runners = _RUNNERS.get(self.model)
+        if runners is not None:
+            runners.discard(self)
+        self.model.to(device=self._model_was[0], dtype=self._model_was[1])
+
     def clock(self) -> float:
         """The engine's time stamps come from its runner: wall time here, simulated time in SimulatedModel."""
         return time.perf_counter()

@@ -30,16 +30,23 @@ def run_workload(
     """Serve ``workload`` on ``engine`` in arrival order; return outputs (in workload order) and step reports.
 
     Each request asks for exactly its ``max_new_tokens`` unless ``ignore_eos=False`` lets EOS end it
-    early. With every arrival at 0 this is an offline run. If a request is refused (e.g. too long for
-    the model), the requests already added are aborted and the error is raised.
+    early. With every arrival at 0 this is an offline run. Every request is checked before the first
+    one is served, so a bad one (e.g. too long for the model) is refused, named by its place in the
+    workload, before anything runs. If anything raises while they run, the requests already added are
+    aborted (the engine's next StepReport lists them) and the error is raised.
     """
     if isinstance(workload, (str, bytes)) or not isinstance(workload, Sequence):
         raise TypeError(f"workload must be a list of WorkloadRequest, got {type(workload).__name__}")
     if not workload:
         raise ValueError("workload is empty")
-    for item in workload:
+    for index, item in enumerate(workload):
         if not isinstance(item, WorkloadRequest):
             raise TypeError(f"workload items must be WorkloadRequest, got {type(item).__name__}")
+        try:
+            engine.check_request(item.prompt, item.sampling_params(ignore_eos=ignore_eos))
+        except (TypeError, ValueError) as error:
+            kind = TypeError if isinstance(error, TypeError) else ValueError
+            raise kind(f"workload request {index}: {error}") from None
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival_time)
     start = engine.clock()
     ids: dict[int, int] = {}  # workload index -> request id

@@ -35,6 +35,7 @@ class MyBlockAllocator(BlockAllocator):
         ``prefix`` is for prefix caching (notebook 09, exercise 8): the engine passes None while it is off, as
         here, so leave it be; it is in the signature because the engine's scheduler passes it.
 
+        Return the new blocks as a list of block ids (``[]`` when none are needed).
         Take ``self.blocks_needed(request_id, num_tokens)`` blocks from the *front* of ``self.free_blocks``,
         give each reference count 1 and an "alloc" event, append them to the end of the request's block table
         (creating it, even empty, if the request has none; never replace an existing one) and set
@@ -52,8 +53,9 @@ class MyBlockAllocator(BlockAllocator):
         out after every block already free. (In vLLM the free queue is also the prefix cache's eviction order,
         so the most recently freed keys and values, which a later request may still hit, are overwritten last;
         labkit keeps cached blocks out of this queue, in ``PrefixCache.reusable``, so here the rule only fixes
-        which block comes next, as the checks expect.) Another request may still share a block: then it stays
-        in use.
+        which block comes next, as the checks expect.) Another request may still share a block: then its count
+        stays above 0 and it stays in use, out of the free queue, with a "release" event instead of "free"
+        (``BlockEvent("release", block, request_id, self.step)``: a reference dropped, others remain).
         Freeing a request that has no block table (never allocated, or already freed) raises KeyError.
         """
         raise NotImplementedError("Exercise 1")

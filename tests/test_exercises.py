@@ -261,10 +261,12 @@ class FreesInReverse(BlockAllocator):
         released = []
         for block in reversed(table):
             self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                released.append(block)
-                self.free_blocks.append(block)
-                self.events.append(BlockEvent("free", block, request_id, self.step))
+            if self.ref_counts[block] > 0:  # still shared
+                self.events.append(BlockEvent("release", block, request_id, self.step))
+                continue
+            released.append(block)
+            self.free_blocks.append(block)
+            self.events.append(BlockEvent("free", block, request_id, self.step))
         return released
 
 
@@ -415,6 +417,65 @@ def test_ex1_blocks_taken_before_allocate_raises_are_named_as_breaking_all_or_no
         assert "append each one you take" not in text
 
 
+class RaisesWithExactlyEnough(BlockAllocator):
+    """Raises NoFreeBlocksError when as many blocks are needed as are free (>= where the contract says >)."""
+
+    def allocate(self, request_id, num_tokens, prefix=None):
+        needed = self.blocks_needed(request_id, num_tokens)
+        if needed >= len(self.free_blocks) and needed > 0:
+            raise NoFreeBlocksError(f"{request_id!r} needs {needed} blocks")
+        return super().allocate(request_id, num_tokens, prefix)
+
+
+def test_ex1_an_allocate_that_raises_with_exactly_enough_blocks_free_is_named():
+    _, messages = failing(1, RaisesWithExactlyEnough)
+    text = messages["allocate is all or nothing when blocks run out"]
+    assert "allocate('b', 8)" in text and "expected: returns [2, 3]" in text
+    assert "got:      raises NoFreeBlocksError" in text
+    engine = "inside the engine, the allocator serves requests through preemptions and gets every block back"
+    assert "raised NoFreeBlocksError" in messages[engine]
+    for text in messages.values():
+        assert "exactly enough free blocks is enough: raise only when more are needed than are free" in text, text
+        assert "check that enough blocks are free before taking any" not in text
+
+
+class FreeEventForASharedBlock(BlockAllocator):
+    """Records a "free" event for every block of the request, also one that another request still holds."""
+
+    def free(self, request_id):
+        table = list(self.block_tables[request_id])
+        released = super().free(request_id)
+        kept = len(self.events) - len(table)
+        self.events[kept:] = [BlockEvent("free", block, request_id, self.step) for block in table]
+        return released
+
+
+def test_ex1_a_free_event_for_a_block_that_stays_shared_is_named():
+    text = only_failure(1, FreeEventForASharedBlock, "a shared block stays in use until its last reference is freed")
+    assert "free('a')" in text and "('release', 0, 'a', 0)" in text and "('free', 0, 'a', 0)" in text
+    assert "it gets a BlockEvent('release', block, request_id, self.step), not 'free'" in text
+
+
+def test_ex1_the_stub_says_which_event_a_block_that_stays_shared_gets():
+    free = (STUBS / get(1).filename).read_text().split("def free", 1)[1]
+    assert '"release" event' in free and 'BlockEvent("release", block, request_id, self.step)' in free
+
+
+class AllocateReturnsATuple(BlockAllocator):
+    def allocate(self, request_id, num_tokens, prefix=None):
+        return tuple(super().allocate(request_id, num_tokens, prefix))
+
+
+def test_ex1_an_allocate_that_returns_no_list_is_told_to_return_one():
+    _, messages = failing(1, AllocateReturnsATuple)
+    assert len(messages) > 3
+    for name, text in messages.items():
+        if not name.startswith("inside the engine"):
+            assert "return a list of block ids" in text and "not a tuple" in text, text
+    text = messages["allocate takes new blocks from the front of the free queue"]
+    assert "expected: returns [0, 1]" in text and "got:      returns (0, 1)" in text
+
+
 # ------------------------------------------------------------------ exercise 2
 def slots_from_zero(segments, block_size, scratch):
     return slot_mapping([s._replace(start=0) for s in segments], block_size, scratch)
@@ -536,6 +597,8 @@ class LearnerScheduler(Scheduler):
     preempts_itself = True  # the youngest request, short of a block, is its own victim and gets no chunk
     skips_ahead = False  # admission passes a waiting request that cannot start, for a later one
     evicts_first = True  # a rolled-back step's victims are preempted again before anything runs
+    skips_finished = True  # of self.evict_first, only the requests not finished since are the last running ones
+    admits_after_evicting = False  # admits in a step that preempted only self.evict_first's victims
     labels = True  # a chunk is a prefill while its request is PREFILLING
     spare_block = 0  # 1: preempts while a request needs as many blocks as are free, not more
     empty_chunks = False  # admits with a budget of 0, planning chunks of no tokens
@@ -548,7 +611,8 @@ class LearnerScheduler(Scheduler):
         if self.prefill_first:
             budget = self.admit_waiting(output, budget)
         live = len(self.running)  # running[live:] are this step's victims
-        evict = [r for r in self.evict_first if r.state is not RequestState.FINISHED] if self.evicts_first else []
+        evict = [r for r in self.evict_first if r.state is not RequestState.FINISHED or not self.skips_finished]
+        evict = evict if self.evicts_first else []
         runnable = live - len(evict)  # running[:runnable] may run
         i = 0
         while i < min(runnable, live) and budget > 0:
@@ -572,10 +636,12 @@ class LearnerScheduler(Scheduler):
             output.add_chunk(request, 0 if self.restarts else request.num_computed_tokens, n, prefill)
             budget -= n
             i += 1
+        preempted_in_walk = bool(output.preempted)
         while live > runnable:
             live -= 1
             self.preempt(output, self.running[live])
-        if not self.prefill_first and not output.preempted:
+        stop = preempted_in_walk if self.admits_after_evicting else output.preempted
+        if not self.prefill_first and not stop:
             self.admit_waiting(output, budget)
         return output
 
@@ -698,6 +764,23 @@ class IgnoresEvictFirst(LearnerScheduler):
     evicts_first = False
 
 
+class EvictsAllItLists(LearnerScheduler):
+    """Counts every request self.evict_first lists as one of the last running ones, also one aborted since."""
+
+    skips_finished = False
+
+
+class AdmitsAfterEvicting(LearnerScheduler):
+    """Skips admission after a preemption for blocks, but admits in a step that preempts self.evict_first's alone."""
+
+    admits_after_evicting = True
+
+
+class ForgetsToReturn(LearnerScheduler):
+    def schedule_continuous(self):
+        super().schedule_continuous()
+
+
 class LabelsEveryChunkDecode(LearnerScheduler):
     """Passes is_prefill=False for a running request's prompt chunks."""
 
@@ -782,6 +865,31 @@ def test_ex3_planted_mistakes_are_named(planted, case, says):
     _, messages = failing(3, planted)
     for text in says:
         assert text in messages[case], messages[case]
+
+
+def test_ex3_a_rolled_back_victim_aborted_since_is_not_counted_among_the_last_running():
+    case = "a rolled-back step's victim that finished since is not preempted again"
+    text = only_failure(3, EvictsAllItLists, case)
+    assert "then r2 is aborted (self.evict_first still lists it)" in text
+    assert "expected: step 8: decode r0 [12:13]; decode r1 [12:13]" in text
+    assert "got:      step 8: decode r0 [12:13]; preempted [1]" in text
+    assert "Count only the listed requests not finished since" in text and "RequestState.FINISHED" in text
+
+
+def test_ex3_a_step_that_preempts_a_rolled_back_steps_victims_and_admits_is_named():
+    case = "a step that preempts a rolled-back step's victims admits nothing"
+    text = only_failure(3, AdmitsAfterEvicting, case)
+    assert "then r0 is aborted, which leaves r3 a seat and free blocks" in text
+    assert "got:      step 8 preempts [2] and admits [3]" in text
+    assert "a step that preempts admits nothing new" in text and "self.evict_first" in text
+
+
+def test_a_scheduler_that_returns_no_plan_is_told_to_return_it():
+    _, messages = failing(3, ForgetsToReturn)
+    assert len(messages) == len(get(3).cases)
+    for text in messages.values():
+        assert "step 1: schedule_continuous returned None" in text, text
+        assert "return the SchedulerOutput you filled" in text and "labkit raised" not in text
 
 
 def test_ex3_a_plan_labkit_cannot_carry_out_is_named_before_the_model_runs():
@@ -997,16 +1105,17 @@ def returns_float32(q, k, v, table, context_len, scale):
     return paged_attention(q.float(), k.float(), v.float(), table, context_len, scale)
 
 
-def written_out(q, k, v, table, context_len, scale, *, visible=operator.le, softmax_dim=-1):
+def written_out(q, k, v, table, context_len, scale, *, visible=operator.le, softmax_dim=-1, on_device=True):
     """paged_attention written from the contract, step by step; the planted mistakes change one step."""
     heads, queries, _ = q.shape
     block_size = k.shape[2]
-    blocks = torch.tensor(list(table[: -(-context_len // block_size)]))
+    device = q.device if on_device else None  # None: torch's default device, the CPU
+    blocks = torch.tensor(list(table[: -(-context_len // block_size)]), device=device)
     keys = k[:, blocks].flatten(1, 2)[:, :context_len].repeat_interleave(heads // k.shape[0], 0).float()
     values = v[:, blocks].flatten(1, 2)[:, :context_len].repeat_interleave(heads // k.shape[0], 0).float()
     scores = q.float() @ keys.transpose(1, 2) * scale
-    query_pos = torch.arange(context_len - queries, context_len)[:, None]
-    scores = scores.masked_fill(~visible(torch.arange(context_len), query_pos), float("-inf"))
+    query_pos = torch.arange(context_len - queries, context_len, device=device)[:, None]
+    scores = scores.masked_fill(~visible(torch.arange(context_len, device=device), query_pos), float("-inf"))
     return (scores.softmax(softmax_dim) @ values).to(q.dtype)
 
 
@@ -1154,6 +1263,47 @@ def test_ex5_a_mistake_that_cannot_be_replayed_is_skipped_not_blamed():
     assert "raised" not in text and "hint:     Your output is what a softmax over dim 1 (the queries) would" in text
 
 
+def test_ex5_a_function_that_returns_no_tensor_is_told_to_return_the_output():
+    _, messages = failing(5, lambda q, k, v, table, context_len, scale: None)
+    assert len(messages) == len(get(5).cases)
+    for text in messages.values():
+        assert "got:      None" in text and "return the output tensor, (H, Q, D)" in text, text
+        assert "gather the request's blocks" not in text
+
+
+def output_on_the_cpu(q, k, v, table, context_len, scale):
+    return paged_attention(q, k, v, table, context_len, scale).cpu()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device case runs on the GPU only where there is one")
+def test_ex5_an_output_or_a_tensor_off_the_querys_device_is_named_on_a_gpu():
+    case = "on a GPU, the output stays on the query's device"
+    text = only_failure(5, output_on_the_cpu, case)
+    assert "expected: a tensor on the query's device, cuda:0" in text and "got:      a tensor on cpu" in text
+    assert "query.device" in text
+    text = only_failure(5, functools.partial(written_out, on_device=False), case)  # its mask is on the CPU
+    assert "your code raised RuntimeError" in text and "device=query.device" in text
+
+
+def test_ex5_an_output_off_the_querys_device_is_named():
+    from labkit.exercises.ex5_paged_attention import compare
+
+    def on_the_cpu(q, k, v, table, context_len, scale):
+        return torch.zeros(q.shape, dtype=q.dtype)  # torch's default device, not q.device
+
+    with pytest.raises(framework.Mismatch) as raised:  # the meta device stands in for a GPU: shapes, no values
+        compare(on_the_cpu, "", heads=2, kv_heads=1, context=6, queries=1, block_size=4, device="meta", values=False)
+    assert raised.value.expected == "a tensor on the query's device, meta" and raised.value.got == "a tensor on cpu"
+    assert "return the output on the query's device (query.device)" in raised.value.hint
+
+
+def test_ex5_the_device_case_runs_the_function_on_a_machine_without_a_gpu_too(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    case = next(c for c in get(5).cases if c.name == "on a GPU, the output stays on the query's device")
+    assert framework.run_case(case, paged_attention) is None
+    assert framework.run_case(case, load_implementation(get(5), STUBS)[0]).kind == "not started"
+
+
 # ------------------------------------------------------------------ exercise 6
 class TopPOneTooMany(Sampler):
     def sample_rows(self, logits, temperature, top_k, top_p, uniform):
@@ -1183,6 +1333,7 @@ class RowByRow(Sampler):
     by_probability = True  # the inverse CDF walks the tokens in decreasing probability
     temper_first = True  # the nucleus is taken from the tempered probabilities
     rescale = True  # the walk compares with uniform times the kept mass
+    strict = True  # the walk stops at the first cumulative probability above the target, not one equal to it
 
     def sample_rows(self, logits, temperature, top_k, top_p, uniform):
         rows = zip(logits, temperature.tolist(), top_k.tolist(), top_p.tolist(), uniform.tolist(), strict=True)
@@ -1200,7 +1351,7 @@ class RowByRow(Sampler):
         target, mass = uniform * (sum(float(probs[t]) for t in walk) if self.rescale else 1.0), 0.0
         for token in walk:
             mass += float(probs[token])
-            if mass > target:
+            if mass > target or (mass == target and not self.strict):
                 return token
         return walk[-1]
 
@@ -1436,6 +1587,57 @@ def test_ex6_a_top_p_cut_in_vocabulary_order_is_told_to_sort_by_probability_firs
     assert "take top_p's cumulative mass in decreasing probability, not in vocabulary order" in text
 
 
+class CdfNotStrict(RowByRow):
+    """Takes the first token whose cumulative probability reaches the target (>= where the contract says >)."""
+
+    strict = False
+
+
+class SearchsortedNotRight(Sampler):
+    """labkit's steps, with torch.searchsorted's default right=False: the first cdf >= target."""
+
+    def sample_rows(self, logits, temperature, top_k, top_p, uniform):
+        probs, ids = (logits / temperature[:, None]).softmax(-1).sort(dim=-1, descending=True, stable=True)
+        cdf = probs.double().cumsum(dim=-1)
+        index = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None]).clamp_(max=probs.shape[-1] - 1)
+        return ids.gather(1, index).squeeze(1)
+
+
+def test_ex6_an_inverse_cdf_that_is_not_strict_is_named_at_an_exact_boundary():
+    text = only_failure(6, CdfNotStrict, "a cumulative probability equal to the target draws the next token")
+    assert "uniform = each of [0.0, 0.125, 0.25" in text
+    assert "expected: uniform [0, 0.25) -> 0, [0.25, 0.5) -> 1, [0.5, 0.75) -> 2, [0.75, 1) -> 3" in text
+    assert "got:      uniform [0, 0.375) -> 0" in text
+    assert "exceeds uniform times the kept mass, strictly (torch.searchsorted needs right=True)" in text
+    assert "cdf > target, not cdf >= target" in text
+    _, messages = failing(6, SearchsortedNotRight)  # no filters: fails where they cut, and at the exact boundary
+    text = messages["a cumulative probability equal to the target draws the next token"]
+    assert "strictly (torch.searchsorted needs right=True)" in text
+
+
+@pytest.mark.parametrize(
+    ("returns", "says"),
+    [
+        (lambda tokens: tokens.tolist(), "a list: ["),
+        (lambda tokens: None, "None: None"),
+        (lambda tokens: tokens[:, None], "a tensor of shape ("),
+    ],
+    ids=["list", "None", "column"],
+)
+def test_ex6_a_sampler_that_returns_no_tensor_of_token_ids_is_told_what_to_return(returns, says):
+    class Returns(Sampler):
+        def sample_rows(self, logits, temperature, top_k, top_p, uniform):
+            return returns(super().sample_rows(logits, temperature, top_k, top_p, uniform))
+
+    _, messages = failing(6, Returns)
+    assert len(messages) == len(get(6).cases)
+    for text in messages.values():
+        assert "a (" in text and ",) tensor of token ids, one per row" in text and f"got:      {says}" in text, text
+        assert "return a (rows,) tensor of token ids, not" in text and "your code raised" not in text
+    if says.startswith("a list"):
+        assert "not a list (torch.tensor(...) makes one)" in text
+
+
 def test_a_property_case_whose_implementation_answers_differently_is_named_not_a_hypothesis_error():
     from hypothesis import strategies as st
 
@@ -1528,6 +1730,19 @@ class NeverAllocates(LearnerStatic):
 
 def test_ex7_a_policy_written_from_the_contract_passes():
     assert check(7, LearnerStatic, quiet=True).passed
+
+
+class ForgetsToReturnTheBatch(LearnerStatic):
+    def form_static_batch(self, output):
+        super().form_static_batch(output)
+
+
+def test_ex7_a_batch_that_is_not_returned_is_named():
+    _, messages = failing(7, ForgetsToReturnTheBatch)
+    assert len(messages) == len(get(7).cases)
+    for text in messages.values():
+        assert "got:      step 1: form_static_batch returned None" in text, text
+        assert "return output.admitted" in text
 
 
 def test_ex7_planted_mistakes_are_named():

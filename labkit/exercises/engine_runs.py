@@ -48,6 +48,16 @@ APPLY_HINT = (
     " a request) and names each request at most once"
 )
 
+RETURN_HINT = (
+    "return the SchedulerOutput you filled: output = SchedulerOutput(step=self.step_index + 1, chunks=[]) at the"
+    " start, return output at the end (a function that ends without a return statement returns None); labkit"
+    " runs the model on the plan it returns"
+)
+STATIC_RETURN_HINT = (
+    "return output.admitted, the list of requests you planned (a function that ends without a return statement"
+    " returns None): labkit prefills the batch it returns"
+)
+
 
 FIRST_DIFFERENCE_HINT = "the step above is the first one that differs from labkit's {}"  # what a property case checks
 
@@ -153,15 +163,30 @@ def plan_changes(before: dict[str, Any], after: dict[str, Any]) -> str | None:
     return "; ".join(changed) or None
 
 
+def _returned(value: Any) -> str:
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
 def check_plans(engine: Engine) -> None:
-    """Make ``engine``'s scheduler raise _BadPlan, before the model runs, on a plan with a :func:`plan_problem`
-    or one that changed a request or a queue while planning (only ``update`` may: a failed step rolls back)."""
+    """Make ``engine``'s scheduler raise _BadPlan, before the model runs, on a plan that is no SchedulerOutput (or a
+    static batch that is no list), one with a :func:`plan_problem` or one that changed a request or a queue while
+    planning (only ``update`` may: a failed step rolls back)."""
     scheduler = engine.scheduler
-    plan = scheduler.schedule
+    plan, form = scheduler.schedule, scheduler.form_static_batch
+
+    def form_static_batch(output: SchedulerOutput) -> Any:
+        batch = form(output)
+        if not isinstance(batch, list):
+            message = f"step {output.step}: form_static_batch returned {_returned(batch)}"
+            raise _BadPlan(message, STATIC_RETURN_HINT)
+        return batch
 
     def schedule() -> SchedulerOutput:
         before = planner_state(scheduler)
         output = plan()
+        if not isinstance(output, SchedulerOutput):
+            message = f"step {scheduler.step_index + 1}: schedule_continuous returned {_returned(output)}"
+            raise _BadPlan(message, RETURN_HINT)
         changes = plan_changes(before, planner_state(scheduler))
         if changes is not None:
             raise _BadPlan(f"planning step {output.step} changed {changes}", APPLY_HINT)
@@ -171,6 +196,7 @@ def check_plans(engine: Engine) -> None:
         return output
 
     scheduler.schedule = schedule  # this engine's scheduler only: an instance attribute
+    scheduler.form_static_batch = form_static_batch
 
 
 def prompts(workload: Workload) -> list[list[int]]:

@@ -107,6 +107,10 @@ def _lost(free_queue: Any, tables: Any, num_blocks: int) -> list[int]:
     return [block for block in range(num_blocks) if block not in held]
 
 
+def _blocks_count(count: int) -> str:
+    return f"{count} block{'s' * (count != 1)}"
+
+
 def _blocks(blocks: list[int]) -> str:
     return f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks}"
 
@@ -115,6 +119,26 @@ ALL_OR_NOTHING_HINT = (
     "check that enough blocks are free before taking any: raise NoFreeBlocksError and leave the free queue"
     " and the block tables exactly as they were"
 )
+
+
+EXACT_FIT_HINT = (
+    "exactly enough free blocks is enough: raise only when more are needed than are free"
+    " (self.blocks_needed(request_id, num_tokens) > len(self.free_blocks)), not when as many are needed as are free"
+)
+
+
+RELEASE_HINT = (
+    "a block whose reference count stays above 0 after free is still in another request's table: it gets a"
+    " BlockEvent('release', block, request_id, self.step), not 'free', and stays out of the free queue; 'free' is"
+    " for the block whose last reference goes (its count reaches 0). The block map draws a 'free' block as empty"
+)
+
+
+RETURN_LIST_HINT = "return a list of block ids: {what}, not {kind}"
+RETURNED = {
+    "allocate": "the new blocks, in the order you took them ([] when none were needed)",
+    "free": "the blocks that went back to the free queue, in table order",
+}
 
 
 def _lost_hint(lost: list[int], raised: bool = False) -> str:
@@ -147,6 +171,20 @@ def _reordered(expected: Any, got: Any) -> bool:
     return isinstance(got, list) and isinstance(expected, list) and got != expected and sorted(got) == sorted(expected)
 
 
+def _not_a_list(expected: Any, got: Any) -> str:
+    """What ``got`` is when labkit's method returned a list and the learner's returned something else; else ""."""
+    if not isinstance(expected, list) or isinstance(got, (list, type, LabkitRaised)):  # a type: the error it raised
+        return ""
+    return "None" if got is None else f"a {type(got).__name__}"
+
+
+def _shared_block_event(want: dict[str, Any], have: dict[str, Any]) -> bool:
+    """Whether free recorded other events than labkit's "release" ones for the blocks another request still holds."""
+    shared = [event for event in want["events"] if event[0] == "release"]
+    blocks = {event[1] for event in shared}
+    return bool(shared) and [event for event in have["events"] if event[1] in blocks] != shared
+
+
 def _named_hint(
     op: Op,
     expected: Any,
@@ -155,25 +193,38 @@ def _named_hint(
     want: dict[str, Any],
     have: dict[str, Any],
     hint: str,
+    free_before: int = -1,
 ) -> str:
-    """The case's hint, unless the difference itself names the mistake: a table replaced instead of grown, blocks
-    that allocate took into no table, free's blocks in another order than the table's, num_slots alone, the reference
-    counts alone, or the free queue's order."""
+    """The case's hint, unless the difference itself names the mistake: a method that returns no list, a table
+    replaced instead of grown, blocks that allocate took into no table, an allocate that raises with exactly enough
+    blocks free (``free_before``: how many were free before ``op``), free's blocks in another order than the
+    table's, num_slots alone, the reference counts alone, the free queue's order, or a shared block's event."""
+    if (kind := _not_a_list(expected, got)) and op[0] in RETURNED:
+        return RETURN_LIST_HINT.format(what=RETURNED[op[0]], kind=kind)
     if "block tables" in differ and _replaced_table(op, want, have):
         return GROW_TABLE_HINT
     lost = _lost(have["free queue"], have["block tables"].values(), len(have["ref counts"]))
     if op[0] in ("allocate", "append_slot") and lost:  # the state before op was labkit's, which loses none
         return _lost_hint(lost, raised=isinstance(got, type))  # _apply returns the type of an error allocate raised
+    if got is NoFreeBlocksError and isinstance(expected, list) and expected and len(expected) == free_before:
+        return EXACT_FIT_HINT
     if op[0] == "free" and _reordered(expected, got):
         return TABLE_ORDER_HINT
     if expected != got:
         return hint
-    if differ == ["num_slots"]:
+    state = [k for k in differ if k != "events"]  # an event that differs is named once the state is right
+    if state == ["num_slots"]:
         return NUM_SLOTS_HINT
-    if differ == ["ref counts"]:
+    if state == ["ref counts"]:
         return REF_COUNT_HINT
-    if op[0] == "free" and differ == ["free queue"] and sorted(want["free queue"]) == sorted(have["free queue"]):
+    if op[0] == "free" and state == ["free queue"] and sorted(want["free queue"]) == sorted(have["free queue"]):
         return FREE_ORDER_HINT
+    if state or op[0] != "free":
+        return hint
+    if _shared_block_event(want, have):
+        return RELEASE_HINT
+    if sorted(want["events"]) == sorted(have["events"]):
+        return TABLE_ORDER_HINT
     return hint
 
 
@@ -184,6 +235,7 @@ def replay(cls: Any, num_blocks: int, block_size: int, ops: list[Op], hint: str,
     for op in ops:
         done.append(_op_text(op))
         showing("\n".join(done))
+        free_before = len(ref.free_blocks)
         expected = _apply(ref, op)
         try:
             got = _apply(mine, op)
@@ -204,7 +256,7 @@ def replay(cls: Any, num_blocks: int, block_size: int, ops: list[Op], hint: str,
             differ = [k for k in want if want[k] != have[k]]
             expected_text = "\n".join([_show(expected)] + [f"{k}: {want[k]}" for k in differ])
             got_text = "\n".join([_show(got)] + [f"{k}: {have[k]}" for k in differ])
-            named = _named_hint(op, expected, got, differ, want, have, hint)
+            named = _named_hint(op, expected, got, differ, want, have, hint, free_before)
             raise Mismatch("\n".join(done), expected_text, got_text, named)
 
 
@@ -254,10 +306,17 @@ def _watch_allocate(allocator: Any) -> list[tuple[str, str, str]]:
 
     def watched(request_id: Any, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
         table, before, raised = list(allocator.block_tables.get(request_id, ())), lost(), True
+        needed, free = allocator.blocks_needed(request_id, num_tokens), len(allocator.free_blocks)
         try:
             result = allocate(request_id, num_tokens, *args, **kwargs)
             raised = False
             return result
+        except NoFreeBlocksError:
+            if not found and needed == free > 0 and not any(a is not None for a in (*args, *kwargs.values())):
+                call = f"allocate({request_id!r}, {num_tokens}) in step {allocator.step}"
+                want = f"{call} takes the {_blocks_count(needed)} it needs, with {free} free"
+                found.append((want, f"{call} raised NoFreeBlocksError", EXACT_FIT_HINT))
+            raise
         finally:
             call = f"allocate({request_id!r}, {num_tokens}) in step {allocator.step}"
             now, taken = allocator.block_tables.get(request_id, []), [b for b in lost() if b not in before]
@@ -389,7 +448,8 @@ CASES = [
         4,
         [("allocate", "a", 8), ("share", "a", "b"), ("allocate", "b", 6), ("free", "a"), ("free", "b")],
         "free returns a block to the queue only when its reference count drops to 0: another request may"
-        " still reference it",
+        " still reference it. Such a block gets a 'release' event, and the one whose count reaches 0 a 'free' one",
+        events=True,
     ),
     _ops_case(
         "every allocation and free is recorded as a BlockEvent",

@@ -37,8 +37,9 @@ RECOMPUTE_HINT = (
 )
 NO_ADMIT_HINT = (
     "a step that preempts admits nothing new: if output.preempted is not empty after the running requests,"
-    " skip admission. The victim's blocks went back so that the running requests can grow; handing them to a"
-    " newcomer would evict one request to admit another"
+    " skip admission, also when no request needed a block and the victims are only self.evict_first's. The"
+    " victim's blocks went back so that the running requests can grow, and the victim waits first in line again;"
+    " handing its blocks to a newcomer would evict one request to admit another"
 )
 
 EVICT_FIRST_HINT = (
@@ -46,6 +47,12 @@ EVICT_FIRST_HINT = (
     " into its victims' blocks, so they must be recomputed before they run again: self.evict_first lists them,"
     " and those not finished since are the last of self.running. Walk only the running requests before them,"
     " then preempt each of them (self.preempt) and admit nothing in that step"
+)
+EVICT_FINISHED_HINT = (
+    "self.evict_first still lists a victim that finished after the rollback (aborted, here): it has left"
+    " self.running, so it is not one of its last requests any more. Count only the listed requests not finished"
+    " since ([r for r in self.evict_first if r.state is not RequestState.FINISHED]); preempting as many of the"
+    " last running requests as self.evict_first lists evicts a request that the failed step never preempted"
 )
 
 
@@ -101,13 +108,12 @@ def _property(cls: Any, example: Any) -> None:
     lockstep(cls, cfg, workload, FIRST_DIFFERENCE_HINT.format("scheduler"), RULES)
 
 
-def _victims_of_a_failed_step(cls: Any) -> None:
-    """The step that first preempts fails in the model and is rolled back; r0 is aborted; the victim goes anyway.
-
-    r0's blocks, given back by the abort, would let every running request grow: only ``self.evict_first``
-    says that the rolled-back step's victim must not run on blocks that step may have written into.
-    """
-    cfg, workload = config(num_blocks=9), [(6, 10), (6, 10), (6, 10)]
+def _after_a_failed_step(
+    cls: Any, workload: Workload, cfg: EngineConfig, aborted: int, hint: str, why: str = ""
+) -> None:
+    """Serve ``workload`` in lockstep until the step that first preempts (r2), which fails in the model and is rolled
+    back; then request ``aborted`` is aborted, and both schedulers serve the rest in lockstep, ``hint`` at a
+    difference. ``why`` says, after the setup, what the aborted request leaves behind."""
     probe = engines(Scheduler, cfg, workload)[1]
     while not (report := probe.step()).preempted:
         pass
@@ -124,7 +130,7 @@ def _victims_of_a_failed_step(cls: Any) -> None:
     )
     setup += (
         f"\nsteps 1-{failing - 1} as labkit's; step {failing} is planned (it preempts r2), then the model fails and"
-        " the engine rolls it back (scheduler.rollback(output)); then r0 is aborted"
+        f" the engine rolls it back (scheduler.rollback(output)); then r{aborted} is aborted{why}"
     )
     showing(setup)
     for engine in (mine, ref):
@@ -133,8 +139,32 @@ def _victims_of_a_failed_step(cls: Any) -> None:
         victims = [r.request_id for r in output.preempted]
         if victims != [2]:
             raise Mismatch(setup, f"step {failing}'s plan preempts [2]", f"it preempts {victims}", EVICT_FIRST_HINT)
-        engine.abort(0)
-    run_in_lockstep(mine, ref, setup, EVICT_FIRST_HINT, rules=RULES, diagnose=False)
+        engine.abort(aborted)
+    run_in_lockstep(mine, ref, setup, hint, rules=RULES, diagnose=False)
+
+
+def _victims_of_a_failed_step(cls: Any) -> None:
+    """The step that first preempts fails in the model and is rolled back; r0 is aborted; the victim goes anyway.
+
+    r0's blocks, given back by the abort, would let every running request grow: only ``self.evict_first``
+    says that the rolled-back step's victim must not run on blocks that step may have written into.
+    """
+    _after_a_failed_step(cls, [(6, 10), (6, 10), (6, 10)], config(num_blocks=9), 0, EVICT_FIRST_HINT)
+
+
+def _finished_victim_of_a_failed_step(cls: Any) -> None:
+    """The rolled-back step's victim, r2, is aborted itself: still listed in ``self.evict_first``, it is FINISHED
+    and gone from ``self.running``, so nothing is preempted; a count of all it lists would evict r1 instead."""
+    why = " (self.evict_first still lists it)"
+    _after_a_failed_step(cls, [(6, 10), (6, 10), (6, 10)], config(num_blocks=9), 2, EVICT_FINISHED_HINT, why)
+
+
+def _no_admission_after_evicting(cls: Any) -> None:
+    """As in :func:`_victims_of_a_failed_step`, with r3 waiting for a seat: r0's abort leaves it a seat and blocks,
+    but the step that preempts the rolled-back step's victim admits nothing, though no request needed a block."""
+    why = ", which leaves r3 a seat and free blocks"
+    cfg = config(num_blocks=9, max_num_seqs=3)
+    _after_a_failed_step(cls, [(6, 10), (6, 10), (6, 10), (4, 4)], cfg, 0, NO_ADMIT_HINT, why)
 
 
 CASES = [
@@ -213,6 +243,16 @@ CASES = [
     ),
     Case(
         "a rolled-back step's victims are preempted before anything runs", _victims_of_a_failed_step, EVICT_FIRST_HINT
+    ),
+    Case(
+        "a rolled-back step's victim that finished since is not preempted again",
+        _finished_victim_of_a_failed_step,
+        EVICT_FINISHED_HINT,
+    ),
+    Case(
+        "a step that preempts a rolled-back step's victims admits nothing",
+        _no_admission_after_evicting,
+        NO_ADMIT_HINT,
     ),
     property_case("random workloads are scheduled like labkit's scheduler", _strategy, _property, max_examples=40),
 ]

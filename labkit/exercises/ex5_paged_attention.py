@@ -5,8 +5,9 @@ with noise of the same size (so reading a slot that is not the request's shows, 
 wrong output no more than a right one; one case's table also lists blocks reserved past the context, as a
 static batch's does), and compares the learner's output with dense causal attention over
 the same keys and values, computed in float32 (one case hands the learner bfloat16 tensors, as a model
-served in bfloat16 does). A wrong output is compared with what each classic mistake would give
-(:data:`MISTAKES`): one bug breaks several cases, and each of them then names that bug, and only it.
+served in bfloat16 does, and one hands them over on the GPU, where there is one). A wrong output is compared
+with what each classic mistake would give (:data:`MISTAKES`): one bug breaks several cases, and each of them
+then names that bug, and only it.
 """
 
 from __future__ import annotations
@@ -278,8 +279,11 @@ def compare(
     scale: float = SCALE,
     dtype: str = "float32",
     reserved_blocks: int = 0,
+    device: str = "cpu",
+    values: bool = True,
 ) -> None:
-    """Run ``fn`` on a scenario whose tensors are in ``dtype``; Mismatch unless it matches dense attention.
+    """Run ``fn`` on a scenario whose tensors are in ``dtype`` on ``device``; Mismatch unless it comes back on
+    ``device`` and (with ``values``) matches dense attention, computed on the CPU.
 
     A mismatch names the classic mistakes that would give the learner's output (:func:`diagnose`) in place of
     the case's hint: one bug breaks several cases, and each case's own hint (about the scale, GQA, block order)
@@ -291,6 +295,7 @@ def compare(
     tensors = ("query", "key_cache", "value_cache", "keys", "values")
     s.update({name: s[name].to(getattr(torch, dtype)) for name in tensors})
     exact = {**s, **{name: s[name].float() for name in tensors}}
+    handed = {name: s[name].to(device) for name in ("query", "key_cache", "value_cache")}
     expected = dense_attention(exact, scale)
     tolerance = TOLERANCE if dtype == "float32" else BF16_TOLERANCE
     text = (
@@ -302,15 +307,30 @@ def compare(
             if reserved_blocks
             else ""
         )
+        + ("" if device == "cpu" else f"\nquery, key_cache and value_cache are on {device}")
     )
     showing(text)
     with torch.no_grad():
         got = fn(
-            s["query"].clone(), s["key_cache"].clone(), s["value_cache"].clone(), list(s["block_table"]), context, scale
+            handed["query"].clone(),
+            handed["key_cache"].clone(),
+            handed["value_cache"].clone(),
+            list(s["block_table"]),
+            context,
+            scale,
         )
-    if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(expected.shape):
-        shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-        raise Mismatch(text, f"a tensor of shape {tuple(expected.shape)} (H, Q, D)", f"{shape}", hint)
+    want = f"a tensor of shape {tuple(expected.shape)} (H, Q, D)"
+    if not isinstance(got, torch.Tensor):
+        returned = "None" if got is None else f"a {type(got).__name__}"
+        raise Mismatch(text, want, returned, RETURN_HINT.format(returned=returned))
+    if tuple(got.shape) != tuple(expected.shape):
+        raise Mismatch(text, want, f"{tuple(got.shape)}", hint)
+    if got.device != handed["query"].device:
+        want = f"a tensor on the query's device, {handed['query'].device}"
+        raise Mismatch(text, want, f"a tensor on {got.device}", DEVICE_HINT)
+    if not values:
+        return
+    got = got.cpu()
     if got.dtype != s["query"].dtype:
         want = f"a tensor of the query's dtype, {s['query'].dtype}"
         raise Mismatch(text, want, f"a tensor of dtype {got.dtype}", hint)
@@ -387,6 +407,39 @@ def _property(fn: Any, example: Any) -> None:
         queries=min(queries, context),
         block_size=block_size,
         seed=seed,
+    )
+
+
+RETURN_HINT = (
+    "return the output tensor, (H, Q, D) in the query's dtype, not {returned} (a function that ends without a"
+    " return statement returns None)"
+)
+DEVICE_HINT = (
+    "return the output on the query's device (query.device) and make every tensor you create there (the mask,"
+    " block indices: torch.arange(..., device=query.device)): on a GPU the cache and the queries live in GPU"
+    " memory, and a tensor on another device either raises or has to be copied each step"
+)
+
+
+def _on_cuda(fn: Any) -> None:
+    """The bfloat16 case's inputs on the GPU where there is one, checked in full. On a machine without one the
+    function still runs, on the CPU, so that a stub counts as not started, but only where its output lands is
+    checked: its values are the bfloat16 case's."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    compare(
+        fn,
+        DEVICE_HINT,
+        heads=4,
+        kv_heads=2,
+        context=37,
+        queries=5,
+        block_size=4,
+        seed=1,
+        dtype="bfloat16",
+        device=device,
+        values=device != "cpu",
     )
 
 
@@ -485,6 +538,7 @@ CASES = [
         seed=1,
         dtype="bfloat16",
     ),
+    Case("on a GPU, the output stays on the query's device", _on_cuda, DEVICE_HINT),
     property_case("random shapes match dense attention", _strategy, _property, max_examples=40),
 ]
 

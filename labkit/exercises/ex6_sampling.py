@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing
+from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing, shown
 
 GRID = [(i + 0.5) / 400 for i in range(400)]  # uniforms, away from every boundary that matters here
 PROBS = [0.5, 0.3, 0.15, 0.05]  # the default row: token 0 is the most likely
@@ -29,7 +29,27 @@ def _draw(
         top_p=torch.tensor([p[2] for p in params], dtype=torch.float32),
         uniform=torch.tensor(uniforms, dtype=torch.float64),
     )
+    if not isinstance(result, torch.Tensor) or tuple(result.shape) != (len(logits),):
+        kind = f"a tensor of shape {tuple(result.shape)}" if isinstance(result, torch.Tensor) else _kind(result)
+        want = f"a ({len(logits)},) tensor of token ids, one per row"
+        raise Mismatch(shown(), want, f"{kind}: {result!r}", _return_hint(kind))
     return [int(t) for t in result.tolist()]
+
+
+def _kind(value: Any) -> str:
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+def _return_hint(kind: str) -> str:
+    """What to return, said against the wrong ``kind`` of value that came back."""
+    hint = f"return a (rows,) tensor of token ids, not {kind}"
+    if kind in ("a list", "a tuple"):
+        return f"{hint} (torch.tensor(...) makes one)"
+    if kind == "None":
+        return f"{hint} (a function that ends without a return statement returns None)"
+    if kind.startswith("a tensor"):
+        return f"{hint}: one token id per row of logits, e.g. .squeeze(1) of a (rows, 1) one"
+    return hint
 
 
 def _shares(tokens: list[int]) -> dict[int, float]:
@@ -142,6 +162,29 @@ def tie_case(name: str, hint: str, probs: list[float], top_k: int, top_p: float,
             raise Mismatch(text, want, have, fewer_hint if len(got) < len(expected) and fewer_hint else hint)
 
     return Case(name, run, hint)
+
+
+BOUNDARIES = [i / 8 for i in range(8)]  # every other one equals a cumulative probability of four equal tokens
+
+
+def _exact_boundaries(cls: Any) -> None:
+    """Four equal logits (probabilities 0.25, exact in any float precision) and uniforms i / 8: half of them fall
+    exactly on a cumulative probability. Which of the equal tokens comes first is the sort's choice, so only the
+    shares, sorted, are compared: a strict walk draws each token for 2 of the 8 uniforms."""
+    from labkit.runtime.sampling import Sampler
+
+    text = (
+        "logits = [0.0, 0.0, 0.0, 0.0] (softmax = [0.25, 0.25, 0.25, 0.25] exactly)\ntemperature=1.0, top_k=0,"
+        f" top_p=1.0; uniform = each of {BOUNDARIES}"
+    )
+    showing(text)
+    batch = [[0.0] * 4] * len(BOUNDARIES), [(1.0, 0, 1.0)] * len(BOUNDARIES), BOUNDARIES
+    sampler = cls()
+    got = _draw(sampler, *batch)
+    _check_repeatable(text, sampler, batch, got)
+    expected = _draw(Sampler(), *batch)
+    if sorted(_shares(got).values()) != sorted(_shares(expected).values()):
+        raise Mismatch(text, _by_uniform(expected), _by_uniform(got), BOUNDARY_HINT)
 
 
 def _batch_invariance(cls: Any) -> None:
@@ -289,12 +332,21 @@ RESCALE_HINT = (
     " probability exceeds uniform times the kept mass (or renormalise the kept probabilities first); against"
     " the uniform alone, every uniform above the kept mass falls through the walk"
 )
+STRICT_CDF = (
+    "take the first token whose cumulative probability exceeds uniform times the kept mass, strictly"
+    " (torch.searchsorted needs right=True)"
+)
 CDF_HINT = (
     "walk the kept tokens in order of decreasing probability, not in vocabulary order: sort the probabilities"
-    " descending (keeping the token ids, e.g. torch.sort's indices), cumsum them and take the first token whose"
-    " cumulative probability exceeds uniform times the kept mass, strictly (torch.searchsorted needs right=True)."
+    f" descending (keeping the token ids, e.g. torch.sort's indices), cumsum them and {STRICT_CDF}."
     " Each token's share is the same in either"
     " order, but not the token a given uniform draws, and a seeded request must draw labkit's tokens"
+)
+BOUNDARY_HINT = (
+    f"{STRICT_CDF}: a cumulative probability equal to it picks the next token (cdf > target, not cdf >= target;"
+    " searchsorted's default, right=False, finds the first cdf >= target). Here the cumulative probabilities are"
+    " exactly 0.25, 0.5, 0.75 and 1, so uniform 0.25 draws the second token, and each token is drawn for 2 of"
+    " the 8 uniforms"
 )
 TOP_P_ORDER_HINT = (
     "take top_p's cumulative mass in decreasing probability, not in vocabulary order: sort first (keeping the"
@@ -324,6 +376,7 @@ CASES = [
         0,
         1.0,
     ),
+    Case("a cumulative probability equal to the target draws the next token", _exact_boundaries, BOUNDARY_HINT),
     distribution_case("temperature below 1 sharpens the distribution", TEMPERATURE_HINT, PROBS, 0.5, 0, 1.0),
     distribution_case("temperature above 1 flattens the distribution", TEMPERATURE_HINT, PROBS, 2.0, 0, 1.0),
     distribution_case("top_k keeps the k most likely tokens", TOP_K_HINT, [0.1, 0.4, 0.2, 0.3], 1.0, 2, 1.0),

@@ -43,6 +43,11 @@ def showing(input: str) -> None:
     _current_input[0] = input
 
 
+def shown() -> str:
+    """The input last recorded with :func:`showing`: for a Mismatch raised by a helper that does not know it."""
+    return _current_input[0]
+
+
 @dataclass(frozen=True)
 class Case:
     """One check: ``run(implementation)`` returns when the implementation meets this part of the contract."""

@@ -1277,7 +1277,7 @@ def output_on_the_cpu(q, k, v, table, context_len, scale):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the device case runs on the GPU only where there is one")
 def test_ex5_an_output_or_a_tensor_off_the_querys_device_is_named_on_a_gpu():
-    case = "on a GPU, the output stays on the query's device"
+    case = "the output stays on the query's device (a GPU's, where there is one)"
     text = only_failure(5, output_on_the_cpu, case)
     assert "expected: a tensor on the query's device, cuda:0" in text and "got:      a tensor on cpu" in text
     assert "query.device" in text
@@ -1299,7 +1299,9 @@ def test_ex5_an_output_off_the_querys_device_is_named():
 
 def test_ex5_the_device_case_runs_the_function_on_a_machine_without_a_gpu_too(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    case = next(c for c in get(5).cases if c.name == "on a GPU, the output stays on the query's device")
+    case = next(
+        c for c in get(5).cases if c.name == "the output stays on the query's device (a GPU's, where there is one)"
+    )
     assert framework.run_case(case, paged_attention) is None
     assert framework.run_case(case, load_implementation(get(5), STUBS)[0]).kind == "not started"
 

@@ -538,7 +538,7 @@ CASES = [
         seed=1,
         dtype="bfloat16",
     ),
-    Case("on a GPU, the output stays on the query's device", _on_cuda, DEVICE_HINT),
+    Case("the output stays on the query's device (a GPU's, where there is one)", _on_cuda, DEVICE_HINT),
     property_case("random shapes match dense attention", _strategy, _property, max_examples=40),
 ]
 

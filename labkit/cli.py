@@ -210,9 +210,13 @@ def demo_main(argv: Sequence[str] | None = None) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"demo": demo_main, "bench": bench_main, "check": check_main}
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print(USAGE, file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)  # asked for: stdout, as the subcommands' --help
+        return 0
+    if not argv or argv[0] not in commands:
+        unknown = f"labkit: unknown command {argv[0]!r}\n" if argv else ""
+        print(f"{unknown}{USAGE}", file=sys.stderr)
+        return 2
     return commands[argv[0]](argv[1:])
 
 

@@ -55,7 +55,11 @@ def test_demo_rejects_bad_options_without_a_traceback(argv, message, capsys):
     assert "error:" in err and message in err and "Traceback" not in err
 
 
-def test_unknown_command_prints_usage(capsys):
+def test_unknown_command_is_named_and_help_goes_to_stdout(capsys):
     assert main(["frobnicate"]) == 2
-    assert "usage: labkit" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unknown command 'frobnicate'" in err and "usage: labkit" in err
+    assert main([]) == 2 and "unknown command" not in capsys.readouterr().err
     assert main(["--help"]) == 0
+    out = capsys.readouterr()
+    assert "usage: labkit" in out.out and not out.err

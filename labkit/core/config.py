@@ -35,7 +35,8 @@ class EngineConfig:
     ``attention_backend`` picks the paged attention: ``"torch"`` (plain torch, the reference),
     ``"triton"`` (one fused kernel per layer, labkit.runtime.triton_attention) or ``"auto"`` (Triton on
     CUDA when it is installed, torch otherwise). ``use_cuda_graph`` replays decode-only steps as CUDA
-    graphs (labkit.runtime.cuda_graphs); None means on wherever the Triton backend runs on CUDA.
+    graphs (labkit.runtime.cuda_graphs); None means on wherever the Triton backend runs on CUDA and the model's
+    forward can be captured (not with a RoPE that decides on the host: labkit.runtime.runner.graph_blocker).
 
     ``async_scheduling`` plans and launches step N+1 before step N's sampled tokens are back on the host,
     so on a GPU the host's Python work overlaps the GPU's (continuous policy only). Every running request

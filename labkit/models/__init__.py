@@ -10,7 +10,8 @@ models load through the same call when they are available:
 - a hub id such as ``"Qwen/Qwen2.5-0.5B-Instruct"``: from the cache, or downloaded when online.
 
 ``device="auto"`` picks CUDA when available, else the CPU. ``dtype=None`` means float32 on the CPU
-(fast and exact there) and bfloat16 on an accelerator (half the memory traffic per decode step).
+(fast and exact there) and on a GPU bfloat16 (half the memory traffic per decode step), or float16 on one
+older than compute capability 8.0 (a T4), which has no bfloat16 arithmetic.
 """
 
 from __future__ import annotations

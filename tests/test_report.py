@@ -206,14 +206,20 @@ def test_block_events_carry_the_step_of_the_report_that_lists_them(policy):
         assert {event.step for event in report.block_events} <= {report.step}
 
 
-def test_a_step_with_only_the_required_fields_counts_nothing_and_loads():
-    """The optional fields default to an empty step: no blocks, no requests running or waiting, nothing in use."""
+def test_a_step_built_in_code_defaults_to_an_empty_one_but_a_trace_step_must_carry_the_cache():
+    """In code the optional fields default to an empty step: no blocks, no requests running or waiting. A trace
+    without the cache's fields is refused, naming them: a block map would draw it as a full cache."""
     data = {"step": 1, "start_time": 0.0, "duration": 0.5, "scheduled": []}
-    for report in (StepReport(**data), StepReport.from_dict(data)):
-        assert (report.num_free_blocks, report.num_blocks, report.block_size) == (0, 0, 0)
-        assert (report.num_running, report.num_waiting) == (0, 0)
-        assert report.kv_usage == 0.0
-        assert StepReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
+    report = StepReport(**data)
+    assert (report.num_free_blocks, report.num_blocks, report.block_size) == (0, 0, 0)
+    assert (report.num_running, report.num_waiting) == (0, 0)
+    assert report.kv_usage == 0.0
+    assert StepReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
+    cache = "'num_free_blocks', 'num_blocks', 'block_size', 'num_running', 'num_waiting'"
+    with pytest.raises(ValueError, match=f"missing fields {cache}"):
+        StepReport.from_dict(data)
+    with pytest.raises(ValueError, match=r"missing field 'num_free_blocks'$"):
+        StepReport.from_dict({k: v for k, v in report.to_dict().items() if k != "num_free_blocks"})
 
 
 @pytest.mark.parametrize(

@@ -327,6 +327,62 @@ def test_live_blockmap_follows_the_engine_unless_rewound() -> None:
     assert blocks.position == 5
 
 
+def test_the_throttle_waits_twice_a_slow_redraw_and_owes_the_steps_it_skipped(monkeypatch) -> None:
+    from labkit.viz import _compat
+
+    clock = iter([0.0, 0.3, 0.35, 0.5, 0.95, 0.96, 2.0, 2.1])  # time.monotonic() at each start and end of a redraw
+    monkeypatch.setattr(_compat.time, "monotonic", lambda: next(clock))
+    throttle, drawn = _compat.Throttle(0.1), []
+    throttle(lambda: drawn.append(1))  # 0.0 to 0.3: the next waits 2 x 0.3 = 0.6 s, not 0.1
+    throttle(lambda: drawn.append(2))  # at 0.35: skipped, owed
+    assert drawn == [1] and throttle.pending
+    throttle(lambda: drawn.append(3))  # at 0.5: still too soon
+    throttle.flush(lambda: drawn.append(4))  # the owed redraw, 0.95 to 0.96
+    assert drawn == [1, 4] and not throttle.pending
+    throttle.flush(lambda: drawn.append(5))  # nothing owed: nothing drawn, the clock not read
+    throttle(lambda: drawn.append(6))  # at 2.0, past 0.96 + 0.1
+    assert drawn == [1, 4, 6]
+
+
+def test_live_widgets_catch_up_when_the_cell_ends() -> None:
+    """Steps that come faster than the redraws leave a widget behind only until the cell ends (IPython's
+    post_run_cell hook calls _flush); a live Timeline also grows as requests arrive."""
+    engine = make_engine()
+    blocks, timeline = BlockMap(engine, min_redraw_seconds=60), Timeline(engine, min_redraw_seconds=60)
+    for widget in (blocks, timeline):
+        widget.widget  # noqa: B018
+    for arrivals in (8, 32):  # the widgets draw step 1 with 8 requests known, then 32 more arrive
+        for _ in range(arrivals):
+            engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=40, ignore_eos=True))
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    assert "after step 1" in blocks._view.figure.layout.title.text  # drawn at step 1, then throttled
+    assert timeline._view.figure.layout.height == timeline.figure().layout.height - 14 * 32
+    for widget in (blocks, timeline):
+        widget._flush()
+    assert "after step 5" in blocks._view.figure.layout.title.text
+    assert figure_cells(blocks._view.figure, blocks.columns, 4) == allocator_cells(engine)
+    assert timeline._view.figure.layout.height == timeline.figure().layout.height  # sized for 40 requests
+
+
+def test_a_live_widget_hooks_its_catch_up_into_ipython_until_closed(monkeypatch) -> None:
+    from IPython.core.events import EventManager
+
+    from labkit.viz import _display
+
+    events = EventManager(None, {"post_run_cell": None})
+    monkeypatch.setattr(_display, "_shell", lambda: types.SimpleNamespace(events=events))
+    finished = make_engine()
+    recorder = record(finished)
+    run(finished)
+    live, replay = BlockMap(make_engine()), Timeline(recorder.reports)
+    live.widget, replay.widget  # noqa: B018
+    assert events.callbacks["post_run_cell"] == [live._flush]  # a replay has no steps to catch up with
+    live.close()
+    assert events.callbacks["post_run_cell"] == []
+
+
 def test_closed_widgets_stop_following_the_engine() -> None:
     engine = make_engine()
     blocks, timeline, live = BlockMap(engine, min_redraw_seconds=0), Timeline(engine), LiveThroughput(engine)

@@ -202,7 +202,16 @@ class StepReport:
 
 
 _FIELDS = frozenset(f.name for f in fields(StepReport))
-_REQUIRED_FIELDS = tuple(f.name for f in fields(StepReport) if f.default is MISSING and f.default_factory is MISSING)
+# A trace must carry the cache's shape and state too: a report built in code may leave them at 0, but a widget
+# replaying a trace without them would draw a full cache of no blocks.
+_REQUIRED_FIELDS = (
+    *(f.name for f in fields(StepReport) if f.default is MISSING and f.default_factory is MISSING),
+    "num_free_blocks",
+    "num_blocks",
+    "block_size",
+    "num_running",
+    "num_waiting",
+)
 _INT_FIELDS = frozenset(("step", "num_free_blocks", "num_blocks", "block_size", "num_running", "num_waiting"))
 
 

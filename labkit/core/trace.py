@@ -95,11 +95,18 @@ class Recorder:
         return self._recorded() if self._attached and self._recorded is not None else None
 
     def _note_requests(self, engine: Any) -> None:
-        for request_id, request in engine.requests.items():
-            if request_id not in self.requests:
-                self.requests[request_id] = RequestInfo(
-                    request.num_prompt_tokens, request.params.max_new_tokens, request.metrics.arrival_time
-                )
+        """Note the requests added since the last step: the newest come last in ``engine.requests``, so the walk
+        back from its end stops at the first one already noted (a run of many requests costs no more per step)."""
+        new = []
+        for request_id in reversed(engine.requests):
+            if request_id in self.requests:
+                break
+            new.append(request_id)
+        for request_id in reversed(new):
+            request = engine.requests[request_id]
+            self.requests[request_id] = RequestInfo(
+                request.num_prompt_tokens, request.params.max_new_tokens, request.metrics.arrival_time
+            )
 
     # ------------------------------------------------------------------ what widgets read
     @property

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -124,7 +124,13 @@ class FigureView:
 
 
 class Throttle:
-    """Lets a live widget redraw at most every ``seconds`` of wall time: a GPU steps faster than a browser draws."""
+    """Paces a live widget's redraws: a GPU steps faster than a browser draws, and a big run's redraw costs more.
+
+    A redraw waits ``seconds`` after the last one ended, and at least twice that one's own time, so drawing
+    takes at most a third of a run however slow it gets (``seconds=0``: every step, however slow). A step skipped
+    here leaves the throttle ``pending``, and ``flush`` draws it (the widgets call it when the cell that stepped
+    the engine ends).
+    """
 
     def __init__(self, seconds: float) -> None:
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
@@ -132,11 +138,21 @@ class Throttle:
         if not seconds >= 0:
             raise ValueError(f"redraw interval must be >= 0 seconds, got {seconds}")
         self.seconds = seconds
-        self._last = float("-inf")
+        self.pending = False
+        self._next = float("-inf")
 
-    def ready(self, force: bool = False) -> bool:
-        now = time.monotonic()
-        if force or now - self._last >= self.seconds:
-            self._last = now
-            return True
-        return False
+    def __call__(self, redraw: Callable[[], None], force: bool = False) -> None:
+        """Run ``redraw`` now if it is time (or ``force``), else note that a redraw is owed."""
+        start = time.monotonic()
+        if not force and start < self._next:
+            self.pending = True
+            return
+        redraw()
+        end = time.monotonic()
+        self.pending = False
+        self._next = end + max(self.seconds, 2 * (end - start)) if self.seconds else end
+
+    def flush(self, redraw: Callable[[], None]) -> None:
+        """Run ``redraw`` if a step was skipped since the last one."""
+        if self.pending:
+            self(redraw, force=True)

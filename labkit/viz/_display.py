@@ -57,10 +57,13 @@ class Displayable:
         raise NotImplementedError
 
     def _on_report(self, report: StepReport) -> None:
-        """Redraw after a live step, at most every ``min_redraw_seconds``, and always once the run goes idle."""
-        idle = report.num_running == 0 and report.num_waiting == 0
-        if self._widget is not None and self._throttle.ready(force=idle):
-            self.refresh()
+        """Redraw after a live step, as often as the throttle lets it, and always once the run goes idle."""
+        if self._widget is not None:
+            self._throttle(self.refresh, force=report.num_running == 0 and report.num_waiting == 0)
+
+    def _flush(self, *_: Any) -> None:
+        """IPython's post_run_cell hook: draw the steps the throttle skipped, so a widget ends a cell up to date."""
+        self._throttle.flush(self.refresh)
 
     def _listen(self, recorders: Iterable[Recorder]) -> None:
         """Hear about every new report of the live ones among ``recorders``."""
@@ -81,12 +84,18 @@ class Displayable:
         if self._widget is not None:
             self._widget.close()
             self._widget = None
+            shell = _shell()
+            if shell is not None and self._flush in shell.events.callbacks["post_run_cell"]:
+                shell.events.unregister("post_run_cell", self._flush)
 
     @property
     def widget(self) -> Any:
         """The ipywidgets view, built on first use (so scripts and tests without a front end build none)."""
         if self._widget is None:
             self._widget = self._build_widget()
+            shell = _shell()
+            if shell is not None and self._recorders:  # a live widget catches up when the cell ends
+                shell.events.register("post_run_cell", self._flush)
         return self._widget
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
@@ -98,3 +107,12 @@ class Displayable:
         if not in_colab():  # Colab saves its own output; elsewhere the HTML is what exports show
             bundle["text/html"] = static["text/html"]
         return bundle
+
+
+def _shell() -> Any:
+    """The running IPython shell, or None (a script, a test without a kernel)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    return get_ipython()

@@ -304,16 +304,16 @@ class BlockMap(Displayable):
                 self.position = steps
             return
         self._play.max = self._slider.max = steps
-        idle = report.num_running == 0 and report.num_waiting == 0
-        if self._following and self._throttle.ready(force=idle):
-            self._slider.value = steps
+        if self._following:
+            self._throttle(self.refresh, force=report.num_running == 0 and report.num_waiting == 0)
 
     def refresh(self) -> None:
         """Redraw now (a live map skips redraws while steps come faster than ``min_redraw_seconds``)."""
         if self._widget is not None:
-            if self._following:
-                self._slider.value = self._slider.max
-            self._redraw()
+            if self._following and self._slider.value != self._slider.max:
+                self._slider.value = self._slider.max  # the observer redraws
+            else:
+                self._redraw()
 
     def _redraw(self) -> None:
         state = self.history.state(self.position)

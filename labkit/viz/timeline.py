@@ -164,26 +164,25 @@ class Timeline(Displayable):
                 trace.update(name=phase, legendgroup=phase, showlegend=False, hoverinfo="text")
                 trace.marker.color = PHASE_COLORS[phase]
                 fig.add_trace(trace, row=row, col=1)
-        num_requests = max((_num_requests(r) or 8 for r in self.runs.values()), default=8)
-        height = 140 + len(labels) * (60 + 14 * num_requests)
-        # Every request's row is labelled while each has its 14 px (plotly alone labels every other one); a
-        # taller figure is capped and left to plotly's own ticks. Light time gridlines: the background is white.
-        every = {"dtick": 1} if height <= MAX_HEIGHT else {}
-        fig.update_yaxes(title_text="request", autorange="reversed", **every)
-        fig.update_xaxes(showgrid=True, gridcolor=GRID_COLOR)
+        fig.update_yaxes(title_text="request", autorange="reversed")
+        fig.update_xaxes(showgrid=True, gridcolor=GRID_COLOR)  # light time gridlines: the background is white
         fig.update_xaxes(title_text="seconds from the run's start", row=len(labels), col=1)
-        fig.update_layout(
-            barmode="overlay",
-            height=min(height, MAX_HEIGHT),
-            width=900,
-            margin={"l": 60, "r": 20, "t": 40, "b": 40},
-            plot_bgcolor="white",
-        )
+        margin = {"l": 60, "r": 20, "t": 40, "b": 40}
+        fig.update_layout(barmode="overlay", width=900, margin=margin, plot_bgcolor="white")
         self._fill(fig)
         return fig
 
+    def _size(self, fig: go.Figure) -> None:
+        """Give every request's row 14 px, labelled (plotly alone labels every other one), up to MAX_HEIGHT; a
+        taller figure is capped and left to plotly's own ticks. A live run grows, so each redraw sizes again."""
+        num_requests = max((_num_requests(r) or 8 for r in self.runs.values()), default=8)
+        height = 140 + len(self.runs) * (60 + 14 * num_requests)
+        fig.update_yaxes(dtick=1 if height <= MAX_HEIGHT else None)
+        fig.update_layout(height=min(height, MAX_HEIGHT))
+
     def _fill(self, fig: go.Figure) -> None:
-        """Put the current spans into the figure's traces (one per run and phase, in figure() order)."""
+        """Put the current spans into the figure's traces (one per run and phase, in figure() order), and size it."""
+        self._size(fig)
         traces = iter(fig.data)
         in_legend: set[str] = set()  # each phase once, on the first trace that has any
         for label, spans in self.spans().items():

@@ -379,8 +379,17 @@ def test_a_live_widget_hooks_its_catch_up_into_ipython_until_closed(monkeypatch)
     live, replay = BlockMap(make_engine()), Timeline(recorder.reports)
     live.widget, replay.widget  # noqa: B018
     assert events.callbacks["post_run_cell"] == [live._flush]  # a replay has no steps to catch up with
+    live._throttle.pending = True
+    events.trigger("post_run_cell", None)
+    assert not live._throttle.pending  # the cell's end drew what was owed
     live.close()
     assert events.callbacks["post_run_cell"] == []
+    engine = make_engine()
+    old = BlockMap(engine)
+    old.widget  # noqa: B018
+    new = BlockMap(engine)  # the cell run again: the new map follows the run, the old one stops catching up
+    new.widget  # noqa: B018
+    assert events.callbacks["post_run_cell"] == [new._flush]
 
 
 def test_closed_widgets_stop_following_the_engine() -> None:

@@ -44,6 +44,7 @@ class Displayable:
     """
 
     _widget: Any = None
+    _shell: Any = None  # the IPython shell whose post_run_cell event calls _flush, while this widget is live
     _recorders: tuple[Recorder, ...] = ()
     _throttle: Throttle
 
@@ -71,8 +72,10 @@ class Displayable:
         for recorder in self._recorders:
             # One widget of a kind follows a run: a cell run again makes a new one, and the old one stops
             # following (it keeps its last picture) instead of redrawing beside it at every step.
-            others = [s for s in recorder.subscribers if type(getattr(s, "__self__", None)) is not type(self)]
-            recorder.subscribers[:] = others
+            displaced = [s.__self__ for s in recorder.subscribers if type(getattr(s, "__self__", None)) is type(self)]
+            for widget in displaced:
+                widget._unhook()
+            recorder.subscribers[:] = [s for s in recorder.subscribers if getattr(s, "__self__", None) not in displaced]
             recorder.subscribers.append(self._on_report)
 
     def close(self) -> None:
@@ -84,9 +87,13 @@ class Displayable:
         if self._widget is not None:
             self._widget.close()
             self._widget = None
-            shell = _shell()
-            if shell is not None and self._flush in shell.events.callbacks["post_run_cell"]:
-                shell.events.unregister("post_run_cell", self._flush)
+        self._unhook()
+
+    def _unhook(self) -> None:
+        """Stop catching up at the end of each cell."""
+        if self._shell is not None:
+            self._shell.events.unregister("post_run_cell", self._flush)
+            self._shell = None
 
     @property
     def widget(self) -> Any:
@@ -95,6 +102,7 @@ class Displayable:
             self._widget = self._build_widget()
             shell = _shell()
             if shell is not None and self._recorders:  # a live widget catches up when the cell ends
+                self._shell = shell
                 shell.events.register("post_run_cell", self._flush)
         return self._widget
 

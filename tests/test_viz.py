@@ -38,6 +38,7 @@ from labkit.viz import (
 )
 from labkit.viz.blockmap import MODEBAR_HEIGHT, PALETTE, SIDE_WIDTH, _colorscale
 from labkit.viz.replay import RequestRow
+from labkit.viz.throughput import SERIES
 
 ipywidgets = pytest.importorskip("ipywidgets")
 
@@ -577,16 +578,18 @@ def test_widget_arguments_are_named() -> None:
         Timeline([make_engine(), make_engine()])
 
 
-def test_a_thinned_out_throughput_plot_ends_where_the_run_ended() -> None:
+def test_a_thinned_out_throughput_plot_keeps_its_peaks_and_dips_and_ends_where_the_run_ended() -> None:
     engine = make_engine(num_blocks=64)
     recorder = record(engine)
     run(engine)
-    live = LiveThroughput(recorder, max_points=7)
-    times = live.series()["run"]["time"]
-    stride = -(-len(times) // 7)
-    assert (len(times) - 1) % stride, "every stride-th point would include the last: the test shows nothing"
+    live = LiveThroughput(recorder, max_points=8)
+    series = live.series()["run"]
+    assert len(series["time"]) > 20, "a run this short is not thinned: the test shows nothing"
     fig = live.figure()
-    assert fig.data[0].x[-1] == times[-1] and len(fig.data[0].x) <= 8
+    for trace, name in zip(fig.data, SERIES, strict=False):
+        values = series[name]
+        assert trace.x[-1] == series["time"][-1] and len(trace.x) <= 9
+        assert max(trace.y) == max(values) and min(trace.y) == min(values), name
 
 
 # ---------------------------------------------------------------------------------------------- recorder

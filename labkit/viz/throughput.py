@@ -149,9 +149,10 @@ class LiveThroughput(Displayable):
     def _fill(self, fig: go.Figure) -> None:
         traces = iter(fig.data)
         for series in self.series().values():
-            stride = max(1, -(-len(series["time"]) // self.max_points))
+            stride = max(1, -(-2 * len(series["time"]) // self.max_points))  # two points a bucket
             for name in SERIES:
-                next(traces).update(x=_every(series["time"], stride), y=_every(series[name], stride))
+                times, values = _thinned(series["time"], series[name], stride)
+                next(traces).update(x=times, y=values)
         fig.layout.title.text = self._title()
 
     def summary_html(self) -> str:
@@ -202,9 +203,15 @@ class LiveThroughput(Displayable):
             self._summary.value = self.summary_html()
 
 
-def _every(values: list[float], stride: int) -> list[float]:
-    """Every ``stride``-th value, and the last one: a thinned-out plot still ends where the run ended."""
-    picked = values[::stride]
-    if (len(values) - 1) % stride:
-        picked.append(values[-1])
-    return picked
+def _thinned(times: list[float], values: list[float], stride: int) -> tuple[list[float], list[float]]:
+    """Each run of ``stride`` points as its lowest and its highest (in time order), and the last point: a
+    thinned-out plot keeps the run's peaks and dips, and still ends where the run ended."""
+    if stride == 1:
+        return times, values
+    keep: list[int] = []
+    for start in range(0, len(values), stride):
+        bucket = range(start, min(start + stride, len(values)))
+        keep += sorted({min(bucket, key=values.__getitem__), max(bucket, key=values.__getitem__)})
+    if keep[-1] != len(values) - 1:
+        keep.append(len(values) - 1)
+    return [times[i] for i in keep], [values[i] for i in keep]

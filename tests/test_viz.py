@@ -393,6 +393,19 @@ def test_a_live_widget_hooks_its_catch_up_into_ipython_until_closed(monkeypatch)
     assert events.callbacks["post_run_cell"] == [new._flush]
 
 
+def test_a_live_map_rewound_to_the_start_lists_the_requests_there_then_as_its_replay_does(tmp_path: Path) -> None:
+    engine = make_engine()
+    live = BlockMap(engine)
+    recorder = record(engine)
+    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    engine.step()
+    engine.add_request([5, 6, 7, 8], SamplingParams(max_new_tokens=8, ignore_eos=True))  # after the first step
+    run(engine)
+    replay = BlockMap(Recorder.load(recorder.save(tmp_path / "trace.json")))
+    assert [row.request_id for row in live.history.state(0).rows()] == [0]
+    assert live.history.state(0).rows() == replay.history.state(0).rows()
+
+
 def test_closed_widgets_stop_following_the_engine() -> None:
     engine = make_engine()
     blocks, timeline, live = BlockMap(engine, min_redraw_seconds=0), Timeline(engine), LiveThroughput(engine)

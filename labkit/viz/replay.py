@@ -194,10 +194,7 @@ class CacheHistory:
         if num_blocks is None or block_size is None:
             raise ValueError("nothing to replay: no step reports, and no num_blocks/block_size in the metadata")
         self.recorder = recorder
-        start = CacheState(num_blocks, block_size, recorder.requests)
-        if recorder.reports:
-            start.time = recorder.reports[0].start_time
-        self._checkpoints = [start]
+        self._checkpoints = [CacheState(num_blocks, block_size, recorder.requests)]
         self._positions = [0]  # each checkpoint's num_applied, ascending
 
     def __len__(self) -> int:
@@ -215,6 +212,8 @@ class CacheHistory:
         """The cache after the first ``position`` recorded steps (0: before any step)."""
         self.check(position)
         reports = self.recorder.reports
+        if reports and self._checkpoints[0].time is None:  # a live run's first step: position 0 is its start
+            self._checkpoints[0].time = reports[0].start_time
         state = self._checkpoints[bisect.bisect_right(self._positions, position) - 1].copy()
         frontier = state.num_applied == self._positions[-1]  # past the last checkpoint: lay down new ones
         work = 0

@@ -421,6 +421,10 @@ DEVICE_HINT = (
 )
 
 
+# The bfloat16 case's shape; the device case hands over the same inputs.
+BF16_CASE: dict[str, Any] = dict(heads=4, kv_heads=2, context=37, queries=5, block_size=4, seed=1, dtype="bfloat16")
+
+
 def _on_cuda(fn: Any) -> None:
     """The bfloat16 case's inputs on the GPU where there is one, checked in full. On a machine without one the
     function still runs, on the CPU, so that a stub counts as not started, but only where its output lands is
@@ -428,19 +432,7 @@ def _on_cuda(fn: Any) -> None:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    compare(
-        fn,
-        DEVICE_HINT,
-        heads=4,
-        kv_heads=2,
-        context=37,
-        queries=5,
-        block_size=4,
-        seed=1,
-        dtype="bfloat16",
-        device=device,
-        values=device != "cpu",
-    )
+    compare(fn, DEVICE_HINT, **BF16_CASE, device=device, values=device != "cpu")
 
 
 CONTEXT_HINT = (
@@ -530,13 +522,7 @@ CASES = [
         " (scores.softmax(dim=-1, dtype=torch.float32)), since in bfloat16 each exponential and their sum keep"
         " only 8 bits of mantissa, and return .to(query.dtype); make every new tensor (the mask, block indices)"
         " with device=query.device, so the same code runs on a GPU",
-        heads=4,
-        kv_heads=2,
-        context=37,
-        queries=5,
-        block_size=4,
-        seed=1,
-        dtype="bfloat16",
+        **BF16_CASE,
     ),
     Case("the output stays on the query's device (a GPU's, where there is one)", _on_cuda, DEVICE_HINT),
     property_case("random shapes match dense attention", _strategy, _property, max_examples=40),

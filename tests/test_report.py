@@ -152,6 +152,10 @@ def edited(change):
         (lambda s: s.update(num_free_blocks=99), "num_free_blocks (99) must be in [0, num_blocks = 10]"),
         (lambda s: s.update(finished={"0": 3}), "request 0 finished for 3"),
         (lambda s: s.update(gpu_util="high"), "gpu_util must be a number or null"),
+        (lambda s: s.update(gpu_util=140.0), "gpu_util must be a percentage in [0, 100] or null, got 140.0"),
+        (lambda s: s.update(duration=-0.5), "duration must be a finite number >= 0, got -0.5"),
+        (lambda s: s.update(duration=float("nan")), "duration must be a finite number >= 0, got nan"),
+        (lambda s: s.update(start_time=float("inf")), "start_time must be a finite number, got inf"),
     ],
 )
 def test_a_trace_step_that_a_widget_could_not_draw_is_refused(tmp_path, change, message):

@@ -767,6 +767,8 @@ def test_live_throughput_updates_and_compares_runs() -> None:
         LiveThroughput(engines, baseline="nope")
     with pytest.raises(ValueError, match="window"):
         throughput_series([], window=0)
+    with pytest.raises(TypeError, match="reports must be StepReports, got int at index 1"):
+        throughput_series([live.runs["continuous"].reports[0], 1])
 
 
 def test_the_throughput_summary_times_a_run_as_run_metrics_does(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ drawn live, saved to a JSON trace, and replayed later (on a laptop, from a run r
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
@@ -179,6 +180,12 @@ class StepReport:
             raise ValueError(f"num_free_blocks_in_step ({in_step}) must be in [0, num_blocks = {self.num_blocks}]")
         if self.num_blocks and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not math.isfinite(self.start_time):
+            raise ValueError(f"start_time must be a finite number, got {self.start_time!r}")
+        if not 0 <= self.duration < math.inf:  # False for NaN too
+            raise ValueError(f"duration must be a finite number >= 0, got {self.duration!r}")
+        if self.gpu_util is not None and not 0 <= self.gpu_util <= 100:
+            raise ValueError(f"gpu_util must be a percentage in [0, 100] or null, got {self.gpu_util!r}")
         for work in self.scheduled + self.padding:
             _check("a scheduled item's request id", work.request_id, int, "an integer")
             for name in ("start", "num_tokens"):

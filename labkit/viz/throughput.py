@@ -41,6 +41,8 @@ def throughput_series(reports: list[StepReport], window: int = 8) -> dict[str, l
     origin = reports[0].start_time
     generated = [0]
     for i, report in enumerate(reports):
+        if not isinstance(report, StepReport):
+            raise TypeError(f"reports must be StepReports, got {type(report).__name__} at index {i}")
         generated.append(generated[-1] + report.num_generated_tokens)
         first = max(0, i - window + 1)
         elapsed = report.end_time - reports[first].start_time

@@ -1797,14 +1797,14 @@ class UnchainedHash(PrefixCache):
         return hashlib.sha256(struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
 
 
-def _lookup(cache, request, *, serve_last=False, confirm=True, stop=True, as_tuple=True):
+def _lookup(cache, request, *, serve_last=False, confirm=True, stop=True, as_tuple=True, first_n=True):
     """labkit's match with one rule broken, for the planted mistakes below."""
     size = cache.block_size
     num_query = (request.num_tokens - (0 if serve_last else 1)) // size
     if num_query == 0:
         return PrefixMatch([], request.num_tokens, 0, "short")
     digests, blocks, miss = cache.hashes(request, num_query), [], None
-    for index, digest in enumerate(digests[:num_query]):
+    for index, digest in enumerate(digests[:num_query] if first_n else digests):
         entry = cache.index.get(digest)
         tokens = request.tokens(index * size, (index + 1) * size)
         tokens = tuple(tokens) if as_tuple else tokens
@@ -1821,6 +1821,13 @@ def _lookup(cache, request, *, serve_last=False, confirm=True, stop=True, as_tup
 class ServesTheLastToken(PrefixCache):
     def match(self, request):
         return _lookup(self, request, serve_last=True)
+
+
+class WalksEveryDigest(PrefixCache):
+    """Walks every digest hashes() returns, which may be more than the blocks that could be served."""
+
+    def match(self, request):
+        return _lookup(self, request, first_n=False)
 
 
 class TrustsTheDigest(PrefixCache):
@@ -1887,6 +1894,9 @@ def test_ex8_planted_mistakes_are_named():
     _, messages = failing(8, ServesTheLastToken)
     text = messages["match never serves a request's last token"]
     assert "num_query_blocks=2" in text and "num_query_blocks=3" in text and "logits to sample" in text
+    _, messages = failing(8, WalksEveryDigest)  # _lookup never confirms the parent: that case fails too
+    text = messages["match never serves a request's last token"]
+    assert "all its full blocks hashed already" in text and "blocks=[0, 1, 2]" in text and "walk the first n" in text
     _, messages = failing(8, TrustsTheDigest)
     assert "a digest can collide" in messages["a hit is confirmed against the token ids"]
     _, messages = failing(8, SkipsAMiss)

@@ -20,7 +20,8 @@ from labkit.exercises.engine_runs import EMPTY_CHUNK_HINT, run_in_lockstep, step
 from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing
 
 BLOCK_SIZE = 4
-# ("cache", prompt), ("evict", n), ("stale", prompt, index), ("collide", prompt, index[, after]) or ("match", prompt)
+# ("cache", prompt), ("evict", n), ("stale", prompt, index), ("collide", prompt, index[, after]) or
+# ("match", prompt[, "hashed"])
 Op = tuple[Any, ...]
 
 
@@ -108,10 +109,15 @@ def _replay(cls: Any, ops: list[Op], name: str) -> tuple[list[PrefixMatch], list
             cache.digest_of[63] = digests[index]
             text.append(f"# a collision: block 63 holds {holds} under the digest of block {index} of {prompt}")
         else:
-            (prompt,) = args
-            text.append(f"cache.match(request with tokens {prompt})")
+            prompt, *hashed = args
+            request = _request(prompt)
+            if hashed:  # every full block hashed already, as for a request that computed them: hashes() returns more
+                cache.hashes(request, len(prompt) // BLOCK_SIZE)
+                text.append(f"cache.match(request with tokens {prompt}, all its full blocks hashed already)")
+            else:
+                text.append(f"cache.match(request with tokens {prompt})")
             showing("\n".join(text))
-            answers.append(cache.match(_request(prompt)))
+            answers.append(cache.match(request))
     return answers, text
 
 
@@ -184,7 +190,8 @@ _PREFIX_HINT = (
 )
 _LAST_TOKEN_HINT = (
     "only (request.num_tokens - 1) // self.block_size blocks may be served: the last token is always computed,"
-    " so that the model has logits to sample the next token from; with 0 such blocks the miss is 'short'"
+    " so that the model has logits to sample the next token from; with 0 such blocks the miss is 'short'."
+    " self.hashes(request, n) may return more than n digests (all the request has hashed): walk the first n"
 )
 _CONFIRM_HINT = (
     "a digest can collide: compare the entry's token_ids (and parent) with the request's own before using it;"
@@ -228,7 +235,7 @@ CASES = [
     ),
     _lookup_case(
         "match never serves a request's last token",
-        [("cache", A), ("match", A), ("match", A[:4]), ("match", A[:5]), ("match", [7, 8])],
+        [("cache", A), ("match", A), ("match", A[:4]), ("match", A[:5]), ("match", [7, 8]), ("match", A, "hashed")],
         _LAST_TOKEN_HINT,
     ),
     _lookup_case(

@@ -146,6 +146,34 @@ def test_failed_steps_change_nothing_simulated(policy, where, seed):
         assert any(r["preempted"] for r in reports), "the workload should preempt"
 
 
+@pytest.mark.parametrize("scheduling", ["fcfs", "priority", "shortest-first"])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_victim_whose_requeue_raises_is_put_back_with_the_step(scheduling, seed):
+    """requeue_preempted runs before the commit: when it raised after the commit, the victim was in neither
+    queue, the retried step preempted someone else, and the engine never finished."""
+    config = EngineConfig(block_size=4, num_blocks=13, max_batch_tokens=12, max_num_seqs=6, scheduling=scheduling)
+    model = SimulatedModel(mean_output_len=8)
+    prompts, params = sim_workload(seed)
+    params = [dataclasses.replace(p, priority=i % 3) for i, p in enumerate(params)]
+    expected, expected_reports, _ = run(Engine(model, config), prompts, params)
+    engine = Engine(model, config)
+    calls, requeue = [], engine.scheduler.requeue_preempted
+
+    def failing_twice(victim):  # the first call raises before requeueing, the second after: then they succeed
+        calls.append(victim.request_id)
+        if len(calls) == 1:
+            raise Boom("requeue_preempted")
+        requeue(victim)
+        if len(calls) == 2:
+            raise Boom("requeue_preempted")
+
+    engine.scheduler.requeue_preempted = failing_twice
+    outputs, reports, failures = run(engine, prompts, params)
+    assert failures == 2
+    assert outputs == expected
+    assert reports == expected_reports
+
+
 def test_the_workload_preempts_and_chunks_static_prompts():
     # The fault-injection runs above are only as strong as their workload: it must preempt and chunk.
     prompts, params = sim_workload(0)

@@ -191,10 +191,10 @@ class Scheduler:
         """Commit the planned step with the tokens the model produced (one per sampling chunk, in order).
 
         What can fail comes first, while the allocator can still roll back: the check of ``sampled``,
-        indexing the blocks this step filled (prefix caching) and freeing the blocks of the requests this
-        step finishes (a plugged-in allocator may raise). Then
-        the allocator commits and the plan is applied with plain assignments: the queues, each chunk's
-        ``num_computed_tokens``, the new tokens. Returns the requests that finished.
+        indexing the blocks this step filled (prefix caching), freeing the blocks of the requests this
+        step finishes (a plugged-in allocator may raise) and requeueing its victims (``requeue_preempted``,
+        undone if it raises). Then the allocator commits and the plan is applied with plain assignments: the
+        queues, each chunk's ``num_computed_tokens``, the new tokens. Returns the requests that finished.
         """
         sampling = [chunk.request for chunk in output.chunks if chunk.samples]
         if len(sampled) != len(sampling):
@@ -209,22 +209,21 @@ class Scheduler:
                     end -= 1  # its block is indexed by resolve(), once the token is known
                 self.allocator.cache_full_blocks(chunk.request, end)
         ends_batch = self._free_finished(output, finishing)
+        self._requeue_all(output.preempted)
         self.allocator.commit()  # the point of no return
 
         self.step_index = output.step
         self.evict_first = []
         if output.preempted:  # they were the end of the running list
             del self.running[len(self.running) - len(output.preempted) :]
-        for request in output.admitted:  # they were the head of the queue
-            self.waiting.popleft()
+        for request in output.admitted:  # they were the head of the queue, before the victims went back in
+            self.waiting.remove(request)
             self.waiting.place(self.running, request)
             request.state = RequestState.PREFILLING
         for request_id, num_cached in output.num_cached_tokens.items():
             request = self.requests[request_id]
             if request.num_cached_tokens is None:  # a recomputation does not count again
                 request.num_cached_tokens = num_cached
-        for victim in output.preempted:
-            self.requeue_preempted(victim)
 
         finished = []
         results = zip(sampled, reasons, strict=True)
@@ -465,6 +464,19 @@ class Scheduler:
         """Plan to preempt ``victim`` (exercise 4): free all its blocks now and list it in ``output.preempted``."""
         self.allocator.free(victim.request_id)
         output.preempted.append(victim)
+
+    def _requeue_all(self, victims: list[Request]) -> None:
+        """Requeue the step's victims before the commit: if ``requeue_preempted`` raises, they are put back."""
+        before = [(v, v.state, v.num_computed_tokens, v.metrics.num_preemptions) for v in victims]
+        try:
+            for victim in victims:
+                self.requeue_preempted(victim)
+        except BaseException:
+            for victim, state, computed, preemptions in before:
+                victim.state, victim.num_computed_tokens, victim.metrics.num_preemptions = state, computed, preemptions
+                while any(r is victim for r in self.waiting):
+                    self.waiting.remove(victim)
+            raise
 
     def requeue_preempted(self, victim: Request) -> None:
         """Commit a preemption (exercise 4): ``victim`` waits again, first in line, to be recomputed from scratch.

@@ -545,6 +545,18 @@ def test_the_built_in_samplers_tokens_are_not_checked(model, monkeypatch):
     assert all(o.finish_reason == "length" for o in outputs)
 
 
+def test_a_sampler_subclass_that_overrides_call_is_called(model):
+    """A Sampler subclass is sampled through its tensor method unless it overrides __call__, which was ignored."""
+
+    class AlwaysSeven(Sampler):
+        def __call__(self, logits, params, indices):
+            return [7] * logits.shape[0]
+
+    prompts, params = model_workload(model, seed=1, sampled=False)
+    outputs = Engine(model, EngineConfig(num_blocks=16), sampler=AlwaysSeven()).generate(prompts, params)
+    assert all(set(o.output_token_ids) == {7} for o in outputs)
+
+
 # ---------------------------------------------------------------------------------------------------- generate
 
 

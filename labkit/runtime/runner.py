@@ -253,7 +253,7 @@ class ModelRunner:
             params = [r.params for r in sampling_requests]
             indices = [len(r.output_token_ids) for r in sampling_requests]
             sampler = self.sampler
-            if isinstance(sampler, Sampler):
+            if isinstance(sampler, Sampler) and type(sampler).__call__ is Sampler.__call__:  # tokens stay on device
                 samples = sampler.sample(logits, params, indices)
             else:
                 samples = sampler(logits, params, indices)

@@ -236,3 +236,19 @@ def test_a_string_is_not_a_workload_even_an_empty_one(text):
     """A str or bytes is a Sequence too, but of characters: it is refused by type, before its length is looked at."""
     with pytest.raises(TypeError, match="workload must be a list of WorkloadRequest"):
         run_workload(engine(), text)
+
+
+def test_async_scheduling_without_launch_and_collect_is_refused_before_the_cache_is_made():
+    """The runner's check ran after init_cache, outside the clean-up: a refused engine kept its cache."""
+    made = []
+
+    class Recording(WallClockModel):
+        def make_runner(self, config):
+            runner = WallClockRunner()
+            runner.init_cache = lambda block_size, num_blocks: made.append(num_blocks) or 64
+            return runner
+
+    with pytest.raises(ValueError, match=r"WallClockRunner has no launch\(\) and collect\(\)"):
+        Engine(Recording(), EngineConfig(async_scheduling=True))
+    assert made == []
+    assert Engine(Recording()).num_blocks == 64 and len(made) == 1

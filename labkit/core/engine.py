@@ -131,6 +131,11 @@ class Engine:
         parts = {"slot_mapping_fn": slot_mapping_fn, "attention_fn": attention_fn, "sampler": sampler}
         self.runner = make_runner(model, config, **{name: part for name, part in parts.items() if part is not None})
         self.clock = self.runner.clock
+        if config.async_scheduling and not all(hasattr(self.runner, name) for name in ("launch", "collect")):
+            raise ValueError(
+                f"async_scheduling needs a runner that launches a step before reading its tokens;"
+                f" {type(self.runner).__name__} has no launch() and collect()"
+            )
         num_blocks = self.runner.init_cache(config.block_size, config.num_blocks)
         try:
             if config.enable_prefix_caching:
@@ -153,11 +158,6 @@ class Engine:
         self._ids = itertools.count()
         self._aborted: list[Request] = []  # aborted between steps: reported with the next step
         self._ahead: deque[_LaunchedStep] = deque()  # async scheduling: committed steps whose tokens are not read
-        if config.async_scheduling and not all(hasattr(self.runner, name) for name in ("launch", "collect")):
-            raise ValueError(
-                f"async_scheduling needs a runner that launches a step before reading its tokens;"
-                f" {type(self.runner).__name__} has no launch() and collect()"
-            )
 
     # ------------------------------------------------------------------ state
     @property

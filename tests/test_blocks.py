@@ -11,7 +11,6 @@ def test_allocate_rounds_tokens_up_to_whole_blocks():
     assert allocator.block_tables["a"] == [0, 1]
     assert allocator.ref_counts == [1, 1, 0, 0]
     assert allocator.num_free_blocks == 2
-    assert allocator.usage == 0.5
     # Growing to 8 tokens still fits in 2 blocks; growing to 9 takes exactly one more.
     assert allocator.allocate("a", 8) == []
     assert allocator.allocate("a", 9) == [2]

@@ -91,11 +91,6 @@ class BlockAllocator:
         reusable = len(self.prefix_cache.reusable) if self.prefix_cache is not None else 0
         return len(self.free_blocks) + reusable
 
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks in use: the KV-cache usage that serving dashboards show."""
-        return 1 - self.num_free_blocks / self.num_blocks
-
     def blocks_needed(self, request_id: Hashable, num_tokens: int) -> int:
         """How many new blocks ``request_id`` needs so that its table covers ``num_tokens`` tokens."""
         have = len(self.block_tables.get(request_id, ()))
@@ -209,7 +204,8 @@ class BlockAllocator:
         return self.slot(request_id, index)
 
     def free(self, request_id: Hashable) -> list[int]:
-        """Drop ``request_id``'s references; blocks nobody references go back to the free queue.
+        """Drop ``request_id``'s references; blocks nobody references go back to the free queue, or, if they hold
+        a cached prefix (prefix caching), become reusable: free, but kept until a block is needed.
 
         Freeing a request that owns nothing (never allocated, or already freed) raises KeyError.
         """

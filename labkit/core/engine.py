@@ -1,11 +1,11 @@
 """The engine loop: schedule a step, run the model on it, record what came out. Plain Python, no torch.
 
 The model side is a *runner*: an object that owns the KV cache and turns a SchedulerOutput into one
-sampled token per finished chunk. A transformers model gets labkit's torch ModelRunner; a
-SimulatedModel gets a runner that only advances a simulated clock. Allocator and scheduler classes
-can be swapped (``allocator_cls=``, ``scheduler_cls=``), and so can the torch runner's slot mapping,
-attention and sampler (``slot_mapping_fn=``, ``attention_fn=``, ``sampler=``): that is how the
-exercises plug in.
+sampled token per chunk that samples (a decode, or a prompt's last chunk). A transformers model gets
+labkit's torch ModelRunner; a SimulatedModel gets a runner that only advances a simulated clock.
+Allocator and scheduler classes can be swapped (``allocator_cls=``, ``scheduler_cls=``), and so can the
+torch runner's slot mapping, attention and sampler (``slot_mapping_fn=``, ``attention_fn=``,
+``sampler=``): that is how the exercises plug in.
 
 With ``EngineConfig(async_scheduling=True)`` the engine keeps one step launched ahead: it plans and
 launches step N+1 while the model still runs step N (see ``Engine.step``).
@@ -171,7 +171,7 @@ class Engine:
     @property
     def num_cached_blocks(self) -> int:
         """Blocks whose keys and values the prefix cache indexes, in use or reusable (0 with caching off)."""
-        cache = getattr(self.allocator, "prefix_cache", None)
+        cache = self.allocator.prefix_cache
         return 0 if cache is None else len(cache.digest_of)
 
     @property

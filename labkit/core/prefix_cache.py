@@ -107,8 +107,8 @@ class PrefixCache:
     """The hash index over full cached blocks, and the LRU list of cached blocks nobody references.
 
     ``record_undo`` receives, for every change, a function that reverts it (the allocator's journal);
-    ``remember_evicted`` bounds how many evicted digests are kept for the "evicted" miss reason
-    (default: four per block of the cache). A subclass may bring its own ``block_hash`` and ``match``
+    ``remember_evicted`` bounds how many evicted digests are kept for the "evicted" miss reason: four per
+    block of the cache. A subclass may bring its own ``block_hash`` and ``match``
     (exercise 8); ``BlockAllocator.prefix_cache_cls`` plugs it into the engine.
     """
 
@@ -119,7 +119,6 @@ class PrefixCache:
         block_size: int,
         num_blocks: int = 1024,
         record_undo: Callable[[Callable[[], None]], None] | None = None,
-        remember_evicted: int | None = None,
     ) -> None:
         self.block_size = block_size
         self.index: dict[bytes, CachedBlock] = {}  # digest -> the block holding that prefix
@@ -128,7 +127,7 @@ class PrefixCache:
         # Each value is a tick of one counter: the order to restore when an undo puts a key back in the middle.
         self.reusable: OrderedDict[int, int] = OrderedDict()
         self.evicted: OrderedDict[bytes, int] = OrderedDict()
-        self.remember_evicted = 4 * num_blocks if remember_evicted is None else remember_evicted
+        self.remember_evicted = 4 * num_blocks
         self.stale: set[int] = set()  # cached blocks a failed step may have overwritten: never handed out
         self._record = record_undo or _no_journal
         self._ticks = itertools.count()

@@ -6,11 +6,12 @@ separate "prefill phase": prompts and decodes go into the same packed batch (as 
 
 Two policies:
 
-* ``"continuous"`` - running requests go first, oldest first; then waiting requests are admitted in
-  the waiting queue's order while budget, ``max_num_seqs`` and free blocks allow. Long prompts are
-  split into chunks (chunked prefill). A finished request frees its blocks at once. When a running
-  request needs a block and none is free, the last running request (the most recently admitted, or
-  under ``"priority"`` the lowest-ranked) is preempted and later recomputed from scratch. With prefix
+* ``"continuous"`` - running requests go first, oldest first (under ``"priority"``, in rank order);
+  then waiting requests are admitted in the waiting queue's order while budget, ``max_num_seqs`` and
+  free blocks allow. Long prompts are split into chunks (chunked prefill). A finished request frees its
+  blocks at once. When a running request needs a block and none is free, the last running request (the
+  most recently admitted, or under ``"priority"`` the lowest-ranked) is preempted and later recomputed
+  from scratch. With prefix
   caching, an admitted request starts from the cached blocks of its prompt's longest cached prefix
   and computes only the rest; the blocks a step's tokens fill are indexed when it commits.
 * ``"static"`` - the classic padded batch: a new batch starts only when the previous one has fully

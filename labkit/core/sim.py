@@ -124,8 +124,6 @@ class SimLaunch(NamedTuple):
 class SimRunner:
     """Runs a step of a SimulatedModel: advances a simulated clock by the cost model's time."""
 
-    device_name = "simulated"
-
     def __init__(self, model: SimulatedModel) -> None:
         self.model = model
         self.cost = model.cost_model

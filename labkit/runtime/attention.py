@@ -20,7 +20,8 @@ The reference attention batches segments of the same kind, and each kind reads o
   as a probability-weighted sum of value rows that ``embedding_bag`` reads straight from the cache;
 * prompt chunks with nothing cached before them: causal ``scaled_dot_product_attention`` over their own
   keys and values, which the layer already holds - no cache read, no mask;
-* other multi-token chunks (a prompt's later chunks, a static batch's padding rows):
+* other multi-token chunks (a prompt's later chunks, a first chunk after a prefix-cache hit, a static
+  batch's padding rows):
   ``scaled_dot_product_attention`` over keys and values gathered from their blocks, with a mask.
 
 Grouped-query attention needs no copies of K/V: the query heads that share a key/value head are folded

@@ -46,6 +46,13 @@ from labkit.runtime.sampling import Sampler, checked_samples, feed_back_samples
 CPU_CACHE_BYTES = 256 * 2**20
 # num_blocks=None on CUDA: this fraction of the memory left free after the weights and a warm-up step.
 CUDA_MEMORY_FRACTION = 0.9
+# Triton compiles labkit's kernels from 3.6 on; its CPU interpreter runs them from 3.7 on (3.6's cannot bound
+# a loop by a value the kernel loaded from memory).
+MIN_TRITON = (3, 6)
+INTERPRETER_MIN_TRITON = (3, 7)
+# The oldest NVIDIA GPUs labkit's kernels are built for: compute capability 7.5 (a T4).
+MIN_TRITON_CAPABILITY = (7, 5)
+WARM_UP_TOKENS = 64  # a small prefill when the engine starts on a GPU: Triton compiles the prefill kernel then
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The live runners of each model: a second runner may convert a model only while no other one uses it.
@@ -526,15 +533,6 @@ def resolve_attention_backend(backend: str, device: torch.device) -> str:
                 f" the interpreter of triton {triton_version()} cannot run labkit's kernels"
             )
     return backend
-
-
-# Triton compiles labkit's kernels from 3.6 on; its CPU interpreter runs them from 3.7 on (3.6's cannot bound
-# a loop by a value the kernel loaded from memory).
-MIN_TRITON = (3, 6)
-INTERPRETER_MIN_TRITON = (3, 7)
-# The oldest NVIDIA GPUs labkit's kernels are built for: compute capability 7.5 (a T4).
-MIN_TRITON_CAPABILITY = (7, 5)
-WARM_UP_TOKENS = 64  # a small prefill when the engine starts on a GPU: Triton compiles the prefill kernel then
 
 
 def _why_no_triton_on(device: torch.device) -> str:

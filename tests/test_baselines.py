@@ -104,14 +104,22 @@ def test_padded_generate_serves_requests_in_arrival_order_not_input_order(model,
 
 
 def test_padded_generate_is_greedy_and_eos_free_whatever_the_models_generation_config_says(model, greedy, monkeypatch):
-    """Checkpoints ship sampling settings and an EOS id that generate would apply; the baseline overrides both,
-    and leaves the model's generation config as it found it."""
+    """Checkpoints ship sampling settings, logits processors (Qwen2.5-Instruct's repetition_penalty) and an EOS id
+    that generate would apply; the baseline decodes plain greedy as labkit does, and leaves the model's generation
+    config as it found it."""
     stop = greedy[1][2]
-    monkeypatch.setattr(model.generation_config, "do_sample", True)
-    monkeypatch.setattr(model.generation_config, "temperature", 5.0)  # sampled tokens would be far from greedy
-    monkeypatch.setattr(model.generation_config, "eos_token_id", stop)
+    shipped = {
+        "do_sample": True,
+        "temperature": 5.0,  # sampled tokens would be far from greedy
+        "repetition_penalty": 5.0,
+        "no_repeat_ngram_size": 1,
+        "suppress_tokens": sorted({t for row in greedy for t in row}),
+        "eos_token_id": stop,
+    }
+    for name, value in shipped.items():
+        monkeypatch.setattr(model.generation_config, name, value)
     assert padded_generate(model, PROMPTS, WANTED, batch_size=2) == greedy
-    assert model.generation_config.eos_token_id == stop
+    assert {name: getattr(model.generation_config, name) for name in shipped} == shipped
 
 
 def test_a_static_batch_ends_once_every_row_has_stopped(model, greedy):

@@ -168,7 +168,7 @@ def _generate_group(
     config = GenerationConfig(do_sample=False, max_new_tokens=max(wanted), pad_token_id=pad_token_id, eos_token_id=eos)
     clock = StepClock()
     scheduled = time.perf_counter()
-    with torch.inference_mode(), _eos_off(model, eos is None):
+    with torch.inference_mode(), _plain_greedy(model):
         generated = model.generate(input_ids, attention_mask=attention_mask, generation_config=config, streamer=clock)
     rows = []
     for row, n in zip(generated[:, longest:].tolist(), wanted, strict=True):
@@ -184,15 +184,16 @@ def _generate_group(
 
 
 @contextmanager
-def _eos_off(model: Any, off: bool = True) -> Iterator[None]:
-    """generate() fills an unset eos_token_id from the model's generation config: unset it there too, for a while."""
-    saved = model.generation_config.eos_token_id
-    if off:
-        model.generation_config.eos_token_id = None
+def _plain_greedy(model: Any) -> Iterator[None]:
+    """generate() fills every field a GenerationConfig leaves unset from the model's own, which a checkpoint may
+    ship with an EOS id and logits processors (repetition_penalty, suppress_tokens...): for a while, the model's
+    is a default one, so that generate decodes plain greedy, as labkit does."""
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
     try:
         yield
     finally:
-        model.generation_config.eos_token_id = saved
+        model.generation_config = saved
 
 
 # ---------------------------------------------------------------------------------------------- continuous batching

@@ -122,7 +122,9 @@ def summarize(
     """One row per policy: same requests, so the tokens are equal and only time and waste differ. Each run is
     timed from its first request's arrival to its last finish, as ``run_metrics`` times it."""
     table = compact_table(f"continuous vs static on the same requests ({clock})")
-    for column in ("policy", "steps", "time (s)", "tokens", "tokens/s", "wasted slots", "peak KV use", "vs static"):
+    table.caption = "batch: requests computed per step, on average"
+    columns = ("policy", "steps", "time (s)", "tokens", "tokens/s", "batch", "wasted slots", "peak KV", "vs static")
+    for column in columns:
         table.add_column(column, justify="right")
     summaries = [
         summarize_run(policy, reports, arrival_times=[o.metrics.arrival_time for o in outputs[policy]])
@@ -136,6 +138,7 @@ def summarize(
             f"{summary.duration:.1f}",
             str(summary.generated_tokens),
             f"{summary.tokens_per_s:.1f}",
+            f"{summary.mean_batch_size:.1f}",
             str(summary.wasted_slots),
             f"{summary.peak_kv_usage:.0%}",
             f"{summary.tokens_per_s / static_rate:.2f}x",

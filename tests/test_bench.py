@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -124,6 +125,22 @@ def test_main_prints_table_and_writes_json(tmp_path, capsys):
         assert run["metrics"]["num_requests"] == len(run["requests"]) == 8
         assert run["metrics"]["num_steps"] == len(run["steps"])
         assert run["metrics"]["targets"] == {"ttft": 1.0}
+
+
+def test_the_table_shows_batch_sizes_and_says_when_the_budget_kept_static_batches_small(capsys):
+    """labkit-static's batch stops where its padded prompts would not prefill in one step: with 512 tokens and
+    prompts up to 125 tokens, 32 seats held at most 5 requests, which the bench did not say."""
+    argv = ["--num-requests", "32", "--no-progress", "--json", "/dev/null"]
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    peaks = re.search(r"peak batch size │ (\d+) │ (\d+) │", out)
+    continuous, static = map(int, peaks.groups())
+    assert static < continuous and static < 32
+    assert f"labkit-static's batches held at most {static} requests, of 32 seats" in out
+    assert "one step of --max-batch-tokens (512)" in out
+    assert main([*argv, "--max-batch-tokens", "8192"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"peak batch size │ 32 │ 32 │", out) and "note:" not in out
 
 
 def test_a_bench_run_in_a_notebook_leaves_its_threads_and_logging_as_they_were(capsys):

@@ -121,7 +121,7 @@ def test_run_metrics_by_hand():
     assert m.itl.p90 == pytest.approx(0.5 + 0.6 * 0.5)  # rank 0.9 * 4 = 3.6
     assert m.queue_time.mean == pytest.approx((0.5 + 0.0 + 0.5) / 3)
     # no step reports, no targets, no GPU
-    assert m.num_steps is None and m.peak_kv_usage is None and m.wasted_slots is None
+    assert m.num_steps is None and m.peak_kv_usage is None and m.wasted_slots is None and m.peak_batch_size is None
     assert m.goodput is None and m.slo_attainment is None
     assert m.peak_gpu_memory_bytes is None and m.gpu_utilization is None
 
@@ -203,6 +203,7 @@ def test_step_stats_and_run_step_metrics_by_hand():
     assert s.step_time == 0.5
     m = run_metrics([A, B, C], reports)
     assert m.num_steps == 2
+    assert m.peak_batch_size == 4  # requests 0, 1 and 2 computed, and request 3's padding row
     assert m.peak_kv_usage == 1 - 2 / 8
     assert m.wasted_slots == 4
 

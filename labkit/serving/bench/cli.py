@@ -135,7 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--static-batch-size",
         type=int,
         default=None,
-        help="requests per batch of labkit-static and hf-generate (default --max-num-seqs)",
+        help="requests per batch of hf-generate, and seats per batch of labkit-static, whose batch also stops where"
+        " its prompts, padded to the longest, would not prefill in one step of --max-batch-tokens (default"
+        " --max-num-seqs)",
     )
     parser.add_argument("--no-chunked-prefill", action="store_true", help="prefill each prompt in one step")
     parser.add_argument(
@@ -208,6 +210,9 @@ def _run(args: argparse.Namespace, restore: ExitStack) -> int:
         return 2
     title = f"labkit bench: {args.model} on {meta['device']}, {args.workload} ({meta['clock']})"
     console.print((results_table if len(workloads) == 1 else sweep_table)(results, title=title))
+    note = static_batch_note(results, setup, max(map(len, workloads.values())))
+    if note:
+        console.print(note)
     data = results_json(results, meta)
     if args.json is not None:
         args.json.write_text(json.dumps(data, indent=1))
@@ -224,6 +229,22 @@ def _run(args: argparse.Namespace, restore: ExitStack) -> int:
     if failed:
         print(f"labkit bench: {len(failed)} of {len(results)} runs failed; the others are shown", file=sys.stderr)
     return 1 if failed else 0
+
+
+def static_batch_note(results: list[BenchResult], setup: BenchSetup, num_requests: int) -> str:
+    """A note when labkit-static's batches stayed smaller than its seats: the token budget, not the batch size,
+    set them (its padded prompts must prefill in one step), and its ratios say as much about that budget."""
+    peaks = [r.metrics.peak_batch_size for r in results if r.mode == "labkit-static" and r.metrics is not None]
+    peak = max((p for p in peaks if p is not None), default=None)
+    seats = min(setup.batch_size, num_requests)
+    if peak is None or peak >= seats:
+        return ""
+    unlimited = ", not hf-generate's" if any(r.mode == "hf-generate" for r in results) else ""
+    return (
+        f"note: labkit-static's batches held at most {peak} requests, of {seats} seats: a static batch's prompts,"
+        f" padded to the longest, must prefill in one step of --max-batch-tokens ({setup.config.max_batch_tokens})."
+        f" That budget limits its batches{unlimited}; raise it for bigger ones."
+    )
 
 
 def prepare(

@@ -113,6 +113,7 @@ TABLE_ROWS: list[tuple[str, Callable[[RunMetrics], str]]] = [
         for stat in ("mean", "median", "p90", "p99")
     ),
     ("goodput", _goodput),
+    ("peak batch size", lambda m: "-" if m.peak_batch_size is None else str(m.peak_batch_size)),
     ("peak KV usage", lambda m: "-" if m.peak_kv_usage is None else f"{m.peak_kv_usage:.1%}"),
     # The baselines report no steps, and no preemptions either: "-" rather than a 0 nobody counted.
     ("preemptions", lambda m: "-" if m.num_steps is None else str(m.total_preemptions)),

@@ -2047,6 +2047,9 @@ def test_labkit_check_watch_checks_an_exercise_again_each_time_its_file_is_saved
     with pytest.raises(SystemExit):
         main(["check", "--watch", "--json"])
     assert "--watch prints for a person" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # every exercise was "not started", exit status 1
+        main(["check", "--path", str(tmp_path / "nowhere")])
+    assert refused.value.code == 2 and "nowhere: no such folder" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ the references inside the engine

@@ -11,6 +11,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -46,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"no exercise {unknown[0]}; there are {sorted(table)}")
     if args.watch and args.json:
         parser.error("--watch prints for a person; --json is for a script, which runs once")
+    if args.path is not None and not Path(args.path).is_dir():
+        parser.error(f"--path {args.path}: no such folder (it holds your exN_*.py files)")
     chosen = sorted((table[n] for n in args.numbers or table), key=lambda e: e.course_position)
     results = [check_file(exercise, args.path) for exercise in chosen]
     if args.json:

@@ -144,6 +144,22 @@ def test_aborted_request_never_meets_targets():
     assert not meets_targets(request_stats(aborted), {"ttft": 1.0})
 
 
+def test_aborted_requests_count_as_work_but_have_no_latency():
+    """An abort's finish is no latency: an early one made e2e look fast, a late one gave a TPOT of its wait."""
+    early = make_output(7, 3, [], arrival=0.0, scheduled=0.01, reason="abort")
+    late = make_output(8, 3, [1.0, 2.0], arrival=0.0, scheduled=0.5, reason="abort")
+    late.metrics.finish_time = 10.0
+    m = run_metrics([A, B, C, early, late], targets={"ttft": 1.0})
+    alone = run_metrics([A, B, C], targets={"ttft": 1.0})
+    assert (m.num_requests, m.num_aborted, alone.num_aborted) == (5, 2, 0)
+    assert m.num_output_tokens == alone.num_output_tokens + 2 and m.duration == 10.0  # the work, as the widgets
+    for name in ("queue_time", "ttft", "tpot", "itl", "e2e"):
+        assert getattr(m, name) == getattr(alone, name), name
+    assert m.slo_attainment == pytest.approx(alone.slo_attainment * 3 / 5)  # an abort misses every target
+    nothing = run_metrics([early, late])
+    assert nothing.num_aborted == 2 and nothing.e2e is None and nothing.ttft is None
+
+
 def test_parse_targets():
     assert parse_targets("ttft<=0.5s,tpot<=0.05s") == {"ttft": 0.5, "tpot": 0.05}
     assert parse_targets(" ttft <= 500ms , e2e<=2 ") == {"ttft": 0.5, "e2e": 2.0}

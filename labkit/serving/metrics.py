@@ -207,7 +207,11 @@ def meets_targets(stats: RequestStats, targets: Mapping[str, float]) -> bool:
 # ---------------------------------------------------------------------------------------------- per run
 @dataclass(frozen=True)
 class RunMetrics:
-    """A run in numbers. Throughputs are per second of ``duration`` (first arrival to last finish)."""
+    """A run in numbers. Throughputs are per second of ``duration`` (first arrival to last finish).
+
+    Aborted requests count in the totals and throughputs (the engine did their work, as the widgets show it) and
+    in ``num_aborted``, but not in the latencies: an abort's "finish" is no latency. Goodput counts them as misses.
+    """
 
     num_requests: int
     num_prompt_tokens: int
@@ -233,6 +237,7 @@ class RunMetrics:
     gpu_utilization: float | None = None  # mean percent busy, sampled through NVML
     num_prefill_tokens: int | None = None  # prompt tokens the model computed (recomputations included)
     prefix_cache: PrefixCacheStats | None = None  # the run's prefix-cache lookups (None: caching off)
+    num_aborted: int = 0  # of num_requests; their latencies are left out
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -254,6 +259,7 @@ def run_metrics(
     if not outputs:
         raise ValueError("outputs is empty: a run needs at least one request")
     stats = [request_stats(o) for o in outputs]
+    served = [s for s in stats if s.finish_reason != "abort"]
     start = min(o.metrics.arrival_time for o in outputs)
     end = max(o.metrics.finish_time for o in outputs)
     duration = end - start
@@ -276,11 +282,11 @@ def run_metrics(
         request_throughput=len(stats) / duration,
         output_throughput=num_output / duration,
         total_throughput=(num_prompt + num_output) / duration,
-        queue_time=summarize(s.queue_time for s in stats if s.queue_time is not None),
-        ttft=summarize(s.ttft for s in stats if s.ttft is not None),
-        tpot=summarize(s.tpot for s in stats if s.tpot is not None),
-        itl=summarize(gap for s in stats for gap in s.itl),
-        e2e=summarize(s.e2e for s in stats),
+        queue_time=summarize(s.queue_time for s in served if s.queue_time is not None),
+        ttft=summarize(s.ttft for s in served if s.ttft is not None),
+        tpot=summarize(s.tpot for s in served if s.tpot is not None),
+        itl=summarize(gap for s in served for gap in s.itl),
+        e2e=summarize(s.e2e for s in served),
         total_preemptions=sum(s.num_preemptions for s in stats),
         targets=targets,
         goodput=goodput,
@@ -293,6 +299,7 @@ def run_metrics(
         gpu_utilization=gpu_utilization,
         num_prefill_tokens=sum(r.num_prefill_tokens for r in reports) if reports else None,
         prefix_cache=sum_prefix_stats(reports),
+        num_aborted=len(stats) - len(served),
     )
 
 

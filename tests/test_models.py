@@ -265,6 +265,19 @@ def test_training_smoke_run_writes_a_loadable_checkpoint(tmp_path):
     assert model.generate(ids, do_sample=False, max_new_tokens=4).shape[1] <= ids.shape[1] + 4
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"), [(["--steps", "0"], "--steps must be >= 1"), (["--threads", "0"], "--threads")]
+)
+def test_the_training_command_refuses_a_bad_count_before_it_starts(argv, message, tmp_path, capsys):
+    """--steps 0 trained nothing, then failed on a held-out loss it never measured (UnboundLocalError)."""
+    from labkit.models.train import main
+
+    with pytest.raises(SystemExit) as refused:
+        main([*argv, "--out", str(tmp_path / "out")])
+    assert refused.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_course_model_falls_back_to_the_bundled_model_and_says_why(monkeypatch):
     from labkit.models import course_model
 

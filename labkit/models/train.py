@@ -6,7 +6,7 @@ trained as ``BOS + speech + EOS``, and the model learns to end its own speech wi
 trains a byte-level BPE tokenizer, then a small Llama (grouped-query attention) on packed windows of
 that token stream, printing the loss curve; the last 5% of the corpus is held out for evaluation.
 
-    python -m labkit.models.train                 # full run, ~10 min on one CPU thread, into a temp dir
+    python -m labkit.models.train                 # full run, about 13 min on one CPU thread, into a temp dir
     python -m labkit.models.train --quick         # smoke test in well under a minute, into a temp dir
     python -m labkit.models.train --out labkit/models/tiny_shakespeare --overwrite   # rebuild the shipped one
 
@@ -271,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error("--threads must be >= 1")
+    if args.steps is not None and args.steps < 1:
+        parser.error("--steps must be >= 1")
     out = args.out if args.out is not None else Path(tempfile.mkdtemp(prefix="tiny-shakespeare-"))
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         parser.error(f"{out} is not empty; pass --overwrite to replace its checkpoint")

@@ -860,6 +860,22 @@ def test_colorscale_separates_free_owned_empty_and_full() -> None:
     assert len({free, empty, full}) == 3 and full == PALETTE[0]
 
 
+def test_a_reusable_or_shared_block_looks_like_no_request_block() -> None:
+    """Every shade a request's block can take (empty to full) stays far, in RGB, from the flat colours of a cached
+    free block and a shared one: a pale green for reusable blocks was an empty block of a green request."""
+
+    def rgb(color: str) -> np.ndarray:
+        return np.array([int(color.lstrip("#")[i : i + 2], 16) for i in (0, 2, 4)])
+
+    shades = [
+        rgb(blockmap_module._tint(c, a)) for c in PALETTE for a in np.linspace(blockmap_module.EMPTY_SHADE, 1, 16)
+    ]
+    for flat in (blockmap_module.REUSABLE_COLOR, blockmap_module.SHARED_COLOR):
+        nearest = min(np.linalg.norm(shade - rgb(flat)) for shade in shades)
+        assert nearest > 25, f"{flat} is {nearest:.0f} from a request's shade"
+    assert np.linalg.norm(rgb(blockmap_module.REUSABLE_COLOR) - rgb(blockmap_module.FREE_COLOR)) > 25
+
+
 def test_committed_notebooks_carry_no_widget_state_and_fall_back_to_figures() -> None:
     notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
     assert notebooks

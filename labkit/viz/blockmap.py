@@ -6,7 +6,8 @@ step, and under the static policy whole rows of blocks sit reserved (pale) for t
 Each cell's colour is its owner's (stable per request); its shade says how many of the block's slots
 hold keys and values. With prefix caching, a block shared by several requests is drawn dark, labelled
 with its first owner and how many more hold it (hover lists them all), and a freed block that still holds
-a cached prefix is drawn pale green: it counts as free, but a request with that prefix can reuse it.
+a cached prefix is drawn mid grey, darker than a free block: it counts as free, but a request with that
+prefix can reuse it.
 Play, step or drag the slider to travel through the recorded steps.
 """
 
@@ -27,7 +28,9 @@ from labkit.viz.sources import as_recorder
 
 PALETTE = [*qualitative.Plotly, *(c for c in qualitative.D3 if c.upper() != "#7F7F7F")]  # no grey: grey is free
 FREE_COLOR = "#e6e6e6"
-REUSABLE_COLOR = "#c7e9c0"  # free, but holds a cached prefix that a later request can reuse
+# Free, but holds a cached prefix that a later request can reuse. Grey, as free is: every hue is some request's,
+# and a pale green was an empty block of a green request.
+REUSABLE_COLOR = "#9e9e9e"
 SHARED_COLOR = "#2f3e46"  # in several requests' block tables at once
 EMPTY_SHADE = 0.25  # how much colour an owned block with no filled slot keeps
 MIN_SPEED, MAX_SPEED = 0.25, 30.0  # playback, in steps per second

@@ -7,7 +7,7 @@ import pytest
 
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel, StepReport, load_trace, save_trace
 from labkit.core.blocks import BlockEvent
-from labkit.core.report import ScheduledWork
+from labkit.core.report import ScheduledWork, run_span, summarize_run
 
 
 def hand_made_report() -> StepReport:
@@ -150,6 +150,11 @@ def edited(change):
         (lambda s: s["block_events"][0].__setitem__(2, [1]), "a block event's request id must be an integer"),
         (lambda s: s.update(block_size=0), "block_size must be >= 1"),
         (lambda s: s.update(num_free_blocks=99), "num_free_blocks (99) must be in [0, num_blocks = 10]"),
+        (
+            lambda s: s.update(num_free_blocks_in_step=11),
+            "num_free_blocks_in_step (11) must be in [0, num_blocks = 10]",
+        ),
+        (lambda s: s["block_events"][0].__setitem__(1, 10), "block id 10 is outside the cache's blocks [0, 10)"),
         (lambda s: s.update(finished={"0": 3}), "request 0 finished for 3"),
         (lambda s: s.update(gpu_util="high"), "gpu_util must be a number or null"),
         (lambda s: s.update(gpu_util=140.0), "gpu_util must be a percentage in [0, 100] or null, got 140.0"),
@@ -189,10 +194,10 @@ def test_padding_rows_say_whether_they_pad_a_prefill_or_a_decode():
     engine = Engine(SimulatedModel(), EngineConfig(block_size=4, num_blocks=32, max_batch_tokens=64, policy="static"))
     engine.add_request([5] * 3, SamplingParams(max_new_tokens=1, ignore_eos=True))
     engine.add_request([6] * 9, SamplingParams(max_new_tokens=4, ignore_eos=True))
-    prefill = engine.step()  # the short prompt is padded to the long one's length
-    assert prefill.padding and all(work.is_prefill for work in prefill.padding)
-    decode = engine.step()  # the first request has finished: its row is a decode row's padding
-    assert decode.padding and not any(work.is_prefill for work in decode.padding)
+    prefill = engine.step()  # the short prompt (3 tokens) is padded to the long one's length (9): 6 prefill rows
+    assert [tuple(work) for work in prefill.padding] == [(0, 3, 6, True, None)]
+    decode = engine.step()  # the first request has finished: its row is one decode row's padding
+    assert [tuple(work) for work in decode.padding] == [(0, 3, 1, False, None)]
 
 
 @pytest.mark.parametrize("policy", ["continuous", "static"])
@@ -263,3 +268,29 @@ def test_a_binary_file_is_named_as_not_a_trace(tmp_path):
     path.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
     with pytest.raises(ValueError, match=r"cannot read trace .*: not a text file"):
         load_trace(path)
+
+
+def _step(step: int, start: float, requests: list[int], *, finished=(), running: int = 0, waiting: int = 0):
+    """A hand-made step of 0.5 s in which each of ``requests`` decodes one token."""
+    scheduled = [ScheduledWork(rid, 10, 1, False, 7) for rid in requests]
+    return StepReport(
+        step, start, 0.5, scheduled, finished=dict.fromkeys(finished, "length"), num_running=running,
+        num_waiting=waiting, num_blocks=8, num_free_blocks=4, block_size=4,
+    )  # fmt: skip
+
+
+def test_a_run_ends_at_its_last_finish_only_once_nothing_runs_or_waits():
+    done = [_step(1, 0.0, [0, 1], finished=[0], running=1), _step(2, 1.0, [1], finished=[1]), _step(3, 2.0, [])]
+    assert run_span(done) == (0.0, 1.5)  # the empty step after the last finish is not the run's
+    waiting = [*done[:2], _step(3, 2.0, [], waiting=1)]  # a request is still waiting: the run goes on
+    assert run_span(waiting) == (0.0, 2.5)
+    assert run_span(done, arrival_times=[-1.0, 0.5]) == (-1.0, 1.5)  # from the first arrival
+    assert run_span([]) == (0.0, 0.0)
+
+
+def test_a_run_summary_averages_the_batch_over_the_steps_that_computed_something():
+    reports = [_step(1, 0.0, [0, 1, 2], running=3), _step(2, 0.5, [], running=3), _step(3, 1.0, [0], finished=[0])]
+    summary = summarize_run("run", reports)
+    assert summary.mean_batch_size == (3 + 1) / 2 and summary.steps == 3
+    assert (summary.generated_tokens, summary.finished_requests) == (4, 1)
+    assert summary.duration == 1.5 and summary.tokens_per_s == 4 / 1.5

@@ -81,6 +81,9 @@ def test_top_k_and_top_p_restrict_the_support():
     assert {draw(logits, u, top_p=0.7) for u in grid} == {0, 1}
     assert {draw(logits, u, top_p=1e-6) for u in grid} == {0}
     assert {draw(logits, u) for u in grid} == set(range(6))
+    # The nucleus is the smallest prefix whose mass reaches top_p: exactly reaching it ends the nucleus.
+    assert {draw([0.0, 0.0], u, top_p=0.5) for u in grid} == {0}
+    assert {draw([0.0] * 4, u, top_p=0.5) for u in grid} == {0, 1}
 
 
 def test_ties_are_walked_in_vocabulary_order():

@@ -373,6 +373,8 @@ def test_generate_batch_sampling_is_reproducible_as_in_transformers(model):
     assert tokens() == first and len({tuple(t) for t in first}) > 1  # the same run again; each request its own draws
     seeded = ContinuousBatchingConfig(seed=3)
     assert tokens(continuous_batching_config=seeded) == tokens(continuous_batching_config=seeded)
+    other_seed = ContinuousBatchingConfig(seed=4)
+    assert tokens(continuous_batching_config=seeded) != tokens(continuous_batching_config=other_seed)  # the seed counts
     alone = generate_batch(model, inputs[:1], sampled, continuous_batching_config=seeded)["req_0"].generated_tokens
     assert alone == tokens(continuous_batching_config=seeded)[0]  # request 0 draws the same alone or in the batch
 

@@ -11,7 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 start="notebooks/00_start_here.ipynb"
 # The server's root is the repository, so the exercises (exercises/) and the notebooks' links to them are in reach.
-command=(.venv/bin/jupyter lab "$start" --ServerApp.root_dir=. --ip=127.0.0.1)
+# Its default URL is the first notebook: the URL it prints (and opens, where there is a browser) is that notebook's.
+command=(.venv/bin/jupyter lab "--LabApp.default_url=/lab/tree/$start" --ServerApp.root_dir=. --ip=127.0.0.1)
 if [ -z "${DISPLAY:-}${WAYLAND_DISPLAY:-}" ] && [ "$(uname -s)" != "Darwin" ]; then
   command+=(--no-browser)
 fi
@@ -35,6 +36,6 @@ bash scripts/setup.sh
 # down, since each kernel holds torch and transformers.
 mkdir -p .venv/share/jupyter/lab/settings
 cp binder/overrides.json .venv/share/jupyter/lab/settings/overrides.json
-echo "Starting JupyterLab on $start; open the http://127.0.0.1:... URL it prints below, then $start in its"
-echo "file browser if it is not open yet (Ctrl+C stops the server)."
+echo "Starting JupyterLab on $start: open the http://127.0.0.1:.../lab/tree/$start URL it prints below"
+echo "(Ctrl+C stops the server)."
 exec "${command[@]}"

@@ -246,11 +246,12 @@ def test_lab_command_line() -> None:
         check=True,
     )
     command = result.stdout.split()
-    assert command[:3] == [".venv/bin/jupyter", "lab", "notebooks/00_start_here.ipynb"], command
+    start = "notebooks/00_start_here.ipynb"
+    assert command[:3] == [".venv/bin/jupyter", "lab", f"--LabApp.default_url=/lab/tree/{start}"], command
     assert "--ip=127.0.0.1" in command and "--no-browser" in command
     assert "--ServerApp.root_dir=." in command, "the exercises must be in the server's reach, not only notebooks/"
     assert command[-1] == "--port=8899", "extra arguments go to jupyter lab"
-    assert (ROOT / command[2]).exists()
+    assert (ROOT / start).exists()
 
 
 # ---------------------------------------------------------------------------------------------- HTML rendering

@@ -889,3 +889,12 @@ def test_committed_notebooks_carry_no_widget_state_and_fall_back_to_figures() ->
                     html = "".join(data.get("text/html", ""))  # a saved notebook splits text into lines
                     assert "plotly-graph-div" in html, f"{path.name}: a view with no figure"
         assert path.stat().st_size < 300_000, f"{path.name} is {path.stat().st_size} bytes"
+
+
+def test_without_plotly_the_widgets_say_which_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "plotly", None)  # import plotly raises ModuleNotFoundError
+    for name in [n for n in sys.modules if n == "labkit.viz" or n.startswith("labkit.viz.")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'labkit-batching\[widgets\]'") as missing:
+        import labkit.viz  # noqa: F401
+    assert missing.value.name == "plotly"

@@ -15,6 +15,13 @@ Each widget also gives a plain plotly figure (``.figure()``), shown where widget
 Needs plotly; the interactive parts need ipywidgets (7.7.1 on Colab, 8 elsewhere).
 """
 
+try:
+    import plotly  # noqa: F401
+except ModuleNotFoundError as missing:  # a plain `pip install labkit-batching` leaves the widgets' packages out
+    raise ModuleNotFoundError(
+        "labkit.viz draws with plotly, which is not installed: pip install 'labkit-batching[widgets]'", name="plotly"
+    ) from missing
+
 from labkit.core.report import RunSummary
 from labkit.core.trace import Recorder, RequestInfo, record
 from labkit.viz._display import show_figure

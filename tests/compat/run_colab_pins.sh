@@ -15,9 +15,12 @@ set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
-venv="${COLAB_PINS_VENV:-${TMPDIR:-/tmp}/labkit-colab-pins}"
 base_python="${PYTHON:-python3}"
 base_site="$("$base_python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+# One venv per Python version, shared by every checkout: it holds only the pinned packages, never labkit, which
+# each run imports from its own checkout (PYTHONPATH), so two checkouts can run this side by side.
+version="$("$base_python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+venv="${COLAB_PINS_VENV:-${TMPDIR:-/tmp}/labkit-colab-pins-py$version}"
 
 if [ ! -x "$venv/bin/python" ]; then
   "$base_python" -m venv "$venv"
@@ -31,14 +34,14 @@ assert (ipywidgets.__version__, plotly.__version__) == ("7.7.1", "5.24.1")' 2>/d
   "$py" -m pip install -q --disable-pip-version-check "ipywidgets==7.7.1" "plotly==5.24.1" pytest pytest-xdist nbclient \
     nbformat ipykernel
 fi
-if ! "$py" -c 'import labkit, pathlib, sys; assert pathlib.Path(labkit.__file__).resolve().parents[1] == pathlib.Path(sys.argv[1])' \
-  "$root" 2>/dev/null; then
-  "$py" -m pip install -q --disable-pip-version-check --no-deps -e "$root"
-fi
+"$py" -m pip uninstall -q -y labkit-batching 2>/dev/null || true  # an editable install an older version made
 echo "$base_site" >"$venv_site/labkit-base-packages.pth"
-"$py" - <<'PY'
-import ipywidgets, plotly, torch
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+"$py" - "$root" <<'PY'
+import pathlib, sys
+import ipywidgets, labkit, plotly, torch
 assert (ipywidgets.__version__, plotly.__version__) == ("7.7.1", "5.24.1"), (ipywidgets.__version__, plotly.__version__)
+assert pathlib.Path(labkit.__file__).resolve().parents[1] == pathlib.Path(sys.argv[1]), labkit.__file__
 print(f"ipywidgets {ipywidgets.__version__}, plotly {plotly.__version__} (torch {torch.__version__} from the base)")
 PY
 
@@ -51,5 +54,5 @@ pytest_args=("$@")
 if [ "${#pytest_args[@]}" -eq 0 ]; then
   pytest_args=(-n 2)
 fi
-PATH="$venv/bin:$PATH" PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 \
+PATH="$venv/bin:$PATH" OMP_NUM_THREADS=1 \
   "$py" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning -m notebooks tests/test_course.py "${pytest_args[@]}"

@@ -313,8 +313,11 @@ class Engine:
         ahead = self._ahead
         if ahead and self._aborted:  # what the aborts gave back goes to the report that lists them, as without
             self._note_given_back(ahead[0])  # async scheduling: not to the next step's, which may take those blocks
-        while len(ahead) < 2 and (not ahead or not ahead[-1].output.is_empty) and self._launch(keep_empty=not ahead):
-            pass
+        # Keep two steps in flight. The first may be empty, so that there is a step to report; after an empty one,
+        # launch nothing more (it had nothing to run), and stop when there is nothing to launch.
+        while len(ahead) < 2 and not (ahead and ahead[-1].output.is_empty):
+            if not self._launch(keep_empty=not ahead):
+                break
         return self._finish_oldest()
 
     def _launch(self, *, keep_empty: bool) -> bool:

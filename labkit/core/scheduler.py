@@ -349,26 +349,26 @@ class Scheduler:
         head = next(waiting, None)
         displacing = self.waiting.preempts  # priority: a better waiting request may displace running ones
 
-        end_of_running = len(running)  # victims leave from the end: running[end_of_running:]
+        num_kept = len(running)  # running[:num_kept] are not preempted: victims leave from the end
         # A failed step's victims (still the end of the list, unless aborted since) must not run.
         num_evict_first = sum(1 for r in self.evict_first if r.state is not RequestState.FINISHED)
-        end_of_runnable = len(running) - num_evict_first  # running[:end_of_runnable] may run this step
+        num_may_run = len(running) - num_evict_first  # running[:num_may_run] may run this step
         preempted_for_blocks = False  # a request was preempted for another's blocks (not displaced by a better one)
         i = 0
-        while i < end_of_runnable and budget > 0:
+        while i < num_may_run and budget > 0:
             request = running[i]
             if displacing and head is not None and self.waiting.outranks(head, request):
                 # The head outranks this request and every one after it: it goes first, displacing the
                 # lowest-ranked running requests until it fits (unless even all of them would not make room).
-                if not self._room_if_displaced(head, budget, running[i:end_of_running]):
+                if not self._room_if_displaced(head, budget, running[i:num_kept]):
                     displacing = False
                     continue
-                while not (used := self._admit(output, head, budget, end_of_running)) and end_of_running > i:
+                while not (used := self._admit(output, head, budget, num_kept)) and num_kept > i:
                     if not cfg.chunked_prefill and head.num_tokens - self._cached_prefix(head)[1] > budget:
                         break  # what it must compute needs a step with more budget, not more room
-                    end_of_running -= 1
-                    self.preempt(output, running[end_of_running])
-                end_of_runnable = min(end_of_runnable, end_of_running)
+                    num_kept -= 1
+                    self.preempt(output, running[num_kept])
+                num_may_run = min(num_may_run, num_kept)
                 if not used:  # it cannot start this step: the requests it outranks run as usual
                     displacing = False
                     continue
@@ -380,20 +380,20 @@ class Scheduler:
             end = request.num_computed_tokens + num_tokens
             needed = allocator.blocks_needed(request.request_id, end)
             if needed:  # usually 0: decodes fill the last block
-                while needed > allocator.num_free_blocks and end_of_running > i:
-                    end_of_running -= 1
-                    self.preempt(output, running[end_of_running])  # the most recently admitted, or lowest-ranked
+                while needed > allocator.num_free_blocks and num_kept > i:
+                    num_kept -= 1
+                    self.preempt(output, running[num_kept])  # the most recently admitted, or lowest-ranked
                     preempted_for_blocks = True
-                if end_of_running == i:  # preempted itself: nothing younger was left
+                if num_kept == i:  # preempted itself: nothing younger was left
                     break
-                end_of_runnable = min(end_of_runnable, end_of_running)
+                num_may_run = min(num_may_run, num_kept)
             allocator.allocate(request.request_id, end)
             output.add_chunk(request, request.num_computed_tokens, num_tokens, request.state is RequestState.PREFILLING)
             budget -= num_tokens
             i += 1
-        while end_of_running > end_of_runnable:  # the failed step's victims that nothing has evicted yet
-            end_of_running -= 1
-            self.preempt(output, running[end_of_running])
+        while num_kept > num_may_run:  # the failed step's victims that nothing has evicted yet
+            num_kept -= 1
+            self.preempt(output, running[num_kept])
             # It is first in line again, and no newcomer may pass it: nothing is admitted, unless the queue
             # ranks requests (priority), where the check below admits only requests that outrank it.
             preempted_for_blocks |= not self.waiting.preempts
@@ -407,7 +407,7 @@ class Scheduler:
                 head is not None
                 and budget > 0
                 and not any(self.waiting.outranks(victim, head) for victim in victims)
-                and (used := self._admit(output, head, budget, end_of_running))
+                and (used := self._admit(output, head, budget, num_kept))
             ):
                 budget -= used
                 head = next(waiting, None)

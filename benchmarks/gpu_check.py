@@ -371,6 +371,11 @@ def run_labkit(
     return result
 
 
+# transformers' paged|sdpa builds a dense (query x key) mask per step: its token budget stays modest. The table and
+# the JSON say so next to its rate, which therefore compares engines as each runs best, not at equal settings.
+HF_MAX_BATCH_TOKENS = 2048
+
+
 def best_hf_attention() -> str:
     return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "sdpa"
 
@@ -383,12 +388,11 @@ def run_transformers(
     previous = model.config._attn_implementation
     model.set_attn_implementation(attention)
     try:
-        # transformers' paged|sdpa builds a dense (query x key) mask per step: keep its token budget modest.
         with TransformersContinuous(
             model,
             block_size=16,
             num_blocks=settings.num_blocks,
-            max_batch_tokens=2048,
+            max_batch_tokens=min(HF_MAX_BATCH_TOKENS, settings.max_batch_tokens),
             max_num_seqs=settings.max_num_seqs,
         ) as hf:
             hf.generate(prompts[:4], [4] * 4)  # warm-up
@@ -410,6 +414,7 @@ def run_transformers(
         "output_tokens": tokens,
         "tokens_per_s": tokens / wall,
         "attention": f"paged|{attention}",
+        "max_batch_tokens": min(HF_MAX_BATCH_TOKENS, settings.max_batch_tokens),
         "gpu_util_percent": gpu.utilization,
         "peak_memory_bytes": gpu.peak_memory_bytes,
     }
@@ -759,8 +764,12 @@ def summary_table(results: dict[str, Any], bandwidth: float) -> tuple[Table, lis
                 table.add_row(f"{workload}: {name} MBU (decode)", f"{entry['decode_bytes_per_s'] / bandwidth:.0%}", "")
         hf = rates.get("transformers generate_batch")
         if hf and best is not None:
-            ratio = rates[best] / hf
-            table.add_row(f"{workload}: {best} / transformers", f"{ratio:.2f}x", f">= {TARGETS['continuous_vs_hf']}x")
+            ratio, entry = rates[best] / hf, part["transformers generate_batch"]
+            cut = f" (its first {entry['wall_s']:.0f} s)" if "partial" in entry else ""
+            target = f">= {TARGETS['continuous_vs_hf']}x"
+            table.add_row(f"{workload}: {best} / transformers{cut}", f"{ratio:.2f}x", target)
+            if "max_batch_tokens" in entry:
+                table.add_row(f"{workload}: transformers' token budget", f"{entry['max_batch_tokens']:,}", "")
     for name, entry in results.get("decode floor", {}).items():
         if isinstance(entry, dict) and "x_floor" in entry:
             target = f"<= {TARGETS['decode_256_floor_ratio']}x" if name.startswith("batch 256") else ""

@@ -116,12 +116,13 @@ def test_the_throughput_targets_are_read_off_the_best_continuous_run(gpu_check) 
     part = {
         "labkit continuous": {"tokens_per_s": 20_000.0},
         "labkit continuous, async scheduling": {"tokens_per_s": 30_000.0},
-        "transformers generate_batch": {"tokens_per_s": 8_000.0},
+        "transformers generate_batch": {"tokens_per_s": 8_000.0, "max_batch_tokens": 2048},
     }
     text = summary_text(gpu_check, {"throughput nano-vllm": part})
     assert re.search(r"nano-vllm: labkit continuous, async scheduling tok/s\s+│\s+30,000\s+│\s+>= 17,700", text)
     assert re.search(r"nano-vllm: labkit continuous tok/s\s+│\s+20,000\s+│\s+│", text)
     assert re.search(r"labkit continuous, async scheduling / transformers\s+│\s+3\.75x\s+│\s+>= 3\.0x", text)
+    assert re.search(r"nano-vllm: transformers' token budget\s+│\s+2,048\s+│", text)  # it ran with its own
 
 
 def test_throughput_saves_after_each_method_so_a_stalled_baseline_loses_nothing(gpu_check, monkeypatch) -> None:
@@ -235,4 +236,4 @@ def test_a_baseline_stopped_at_its_time_limit_is_marked_in_the_summary(gpu_check
     text = summary_text(gpu_check, {"throughput nano-vllm": part})
     assert re.search(r"nano-vllm: transformers generate_batch tok/s \(first 60 s\)\s+│\s+2,000", text)
     assert re.search(r"nano-vllm: labkit continuous tok/s\s+│\s+20,000", text)
-    assert re.search(r"labkit continuous / transformers\s+│\s+10\.00x", text)
+    assert re.search(r"labkit continuous / transformers \(its first 60 s\)\s+│\s+10\.00x", text)

@@ -162,12 +162,21 @@ def test_burstiness_sets_gap_spread(burstiness):
         ({"vocab_size": None}, ValueError, "exactly one of vocab_size"),
         ({"tokenizer": CharTokenizer()}, ValueError, "exactly one of vocab_size"),
         ({"vocab_size": 3, "special_ids": (0, 1, 2)}, ValueError, "whole vocabulary"),
+        ({"special_ids": (0, 100)}, ValueError, r"special id 100 is outside the vocabulary \[0, 100\)"),
+        ({"special_ids": (-1,)}, ValueError, "special id -1 is outside"),
+        ({"burstiness": 2.0}, ValueError, "burstiness 2.0 shapes the gaps between arrivals: give a rate too"),
     ],
 )
 def test_bad_options(kwargs, error, message):
     args = {"name": "uniform", "num_requests": 4, "vocab_size": 100} | kwargs
     with pytest.raises(error, match=message):
         make_workload(args.pop("name"), args.pop("num_requests"), **args)
+
+
+def test_numpy_numbers_are_as_good_as_pythons():
+    """Counts, seeds and rates computed with numpy (np.int64, np.float64) were refused as not ints."""
+    as_numpy = make_workload("uniform", np.int64(6), seed=np.int64(2), rate=np.float64(2.0), vocab_size=np.int64(100))
+    assert as_numpy == make_workload("uniform", 6, seed=2, rate=2.0, vocab_size=100)
 
 
 def test_every_workload_runs_with_defaults():

@@ -155,13 +155,15 @@ def arrival_times(
     they come more evenly.
     """
     _check_count("num_requests", n)
-    if isinstance(burstiness, bool) or not isinstance(burstiness, (int, float)):
+    if isinstance(burstiness, bool) or not isinstance(burstiness, numbers.Real):
         raise TypeError(f"burstiness must be a number, got {type(burstiness).__name__}")
     if not (burstiness > 0 and math.isfinite(burstiness)):
         raise ValueError(f"burstiness must be a positive finite number, got {burstiness}")
     if rate is None or rate == math.inf:
-        return [0.0] * n
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)):
+        if burstiness != 1:
+            raise ValueError(f"burstiness {burstiness} shapes the gaps between arrivals: give a rate too")
+        return [0.0] * int(n)
+    if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
         raise TypeError(f"rate must be a number of requests per second, got {type(rate).__name__}")
     if not rate > 0:
         raise ValueError(f"rate must be > 0 requests per second (or None for all at once), got {rate}")
@@ -185,6 +187,8 @@ def random_token_prompts(
     for token in special:
         if isinstance(token, bool) or not isinstance(token, numbers.Integral):
             raise TypeError(f"special_ids must be ints, got {type(token).__name__}")
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"special id {token} is outside the vocabulary [0, {vocab_size})")
     allowed = np.setdiff1d(np.arange(vocab_size), np.array(special, dtype=int))
     if allowed.size == 0:
         raise ValueError(f"special_ids cover the whole vocabulary of {vocab_size}: no token id left for prompts")
@@ -254,6 +258,7 @@ def make_workload(
     n = DEFAULT_NUM_REQUESTS if num_requests is None else num_requests
     check_num_requests(n)
     _check_count("seed", seed)
+    n, seed = int(n), int(seed)  # numpy's integers too
     _check_options(name, sampler, options)
     if (vocab_size is None) == (tokenizer is None):
         raise ValueError("give exactly one of vocab_size (token-id prompts) or tokenizer (text prompts)")
@@ -300,14 +305,14 @@ def check_num_requests(n: object) -> None:
 
 
 def _check_count(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
 
 
 def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")

@@ -381,6 +381,7 @@ def ran(monkeypatch):
         # The simulated model has no device and no dtype: a flag for them is a mistake, not a no-op.
         (["--device", "cuda"], "--device and --dtype choose where a real model runs"),
         (["--dtype", "float33"], "--device and --dtype choose where a real model runs"),
+        (["--threads", "2"], "--threads sets torch's CPU threads; the simulated model runs no torch"),
         # A cache too big for memory is refused like one too small, before any mode runs.
         (["--model", "random:tiny", "--num-blocks", "100000000000"], "more than could be allocated"),
     ],

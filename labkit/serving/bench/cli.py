@@ -275,6 +275,8 @@ def prepare(
         raise ValueError(f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)} (or all)")
     if args.model.partition(":")[0] == "sim" and (args.device != "auto" or args.dtype is not None):
         raise ValueError("--device and --dtype choose where a real model runs; the simulated model has neither")
+    if args.model.partition(":")[0] == "sim" and args.threads is not None:
+        raise ValueError("--threads sets torch's CPU threads; the simulated model runs no torch")
     if args.burstiness != 1 and all(rate is None for rate in args.rates):
         raise ValueError(
             "--burstiness shapes the gaps between arrivals: give --rate too (without it, all arrive at once)"

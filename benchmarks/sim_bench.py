@@ -125,11 +125,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     for name in ("requests", "static_requests"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    model = SimulatedModel(mean_output_len=args.mean_output_len, cost=args.cost, seed=args.seed)
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    try:  # every other bad value, named as the engine names it, before anything runs
+        model = SimulatedModel(mean_output_len=args.mean_output_len, cost=args.cost, seed=args.seed)
+        SamplingParams(max_new_tokens=args.max_new_tokens)
+        EngineConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            max_batch_tokens=args.max_batch_tokens,
+            max_num_seqs=args.max_num_seqs,
+        )
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
     prompts = make_prompts(args.requests, model.vocab_size, args.seed)
     console = Console()
     if not console.is_terminal:  # piped to a file: do not squeeze the table into 80 columns

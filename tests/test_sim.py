@@ -189,3 +189,30 @@ def test_host_time_adds_to_a_step_and_overlaps_it_with_async_scheduling():
     assert times[True] == pytest.approx([1.5] * len(times[True]))
     assert len(times[True]) == len(times[False]) > 2
     assert COST_PRESETS["h200"].host_time(256) == 0.0  # the presets from before charge no host time
+
+
+def run_sim_bench(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "sim_bench.py"), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+
+
+def test_the_simulated_benchmark_compares_both_policies_on_the_same_subset():
+    done = run_sim_bench("--requests", "60", "--static-requests", "20")
+    assert done.returncode == 0, done.stderr
+    rows = [line.split("│")[1:4] for line in done.stdout.splitlines() if line.startswith("│ ")]
+    policies = [(cells[0].strip(), cells[1].strip()) for cells in rows]
+    assert policies == [("continuous", "60"), ("continuous", "20"), ("static", "20")]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--max-new-tokens", "0"), "max_new_tokens must be >= 1, got 0"),
+        (("--mean-output-len", "0"), "mean_output_len must be a finite number >= 1"),
+        (("--block-size", "0"), "block_size must be >= 1, got 0"),
+        (("--requests", "0"), "--requests must be >= 1, got 0"),
+    ],
+)
+def test_the_simulated_benchmark_names_a_bad_option_without_a_traceback(args, message):
+    done = run_sim_bench(*args)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr

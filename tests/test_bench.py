@@ -93,8 +93,10 @@ def test_bad_bench_inputs():
     workload = make_workload("uniform", 2, **VOCAB)
     with pytest.raises(ValueError, match="unknown mode 'nope'"):
         run_bench(setup, workload, ["nope"])
-    with pytest.raises(ValueError, match="mode 'hf-generate' cannot run: it runs a transformers model"):
+    with pytest.raises(ValueError, match=r"mode 'hf-generate' cannot run: it runs .* \(try --model random:tiny\)"):
         run_bench(setup, workload, ["labkit-static", "hf-generate"])
+    with pytest.raises(ValueError, match=r"mode 'vllm' cannot run: .* \(try --model tiny-shakespeare\)"):
+        run_bench(setup, workload, ["vllm"])  # vLLM loads from a directory: random:tiny would be refused too
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         run_bench(setup, workload, ["labkit-static"], repeats=0)
     with pytest.raises(ValueError, match="no modes"):

@@ -63,7 +63,9 @@ def check_modes(modes: Sequence[str], setup: BenchSetup, online: bool) -> None:
 def unavailable(mode: str, setup: BenchSetup, online: bool) -> str | None:
     """Why ``mode`` cannot run with this model, rate and install; None when it can."""
     if mode in MODEL_MODES and setup.simulated:
-        return "it runs a transformers model, and the simulated model is not one (try --model random:tiny)"
+        # vLLM loads a model from a directory, which a random-weight model has not: it needs a saved one.
+        instead = "tiny-shakespeare" if mode == "vllm" else "random:tiny"
+        return f"it runs a transformers model, and the simulated model is not one (try --model {instead})"
     if mode in OFFLINE_MODES and online:
         return "it serves offline only (every request at t=0); drop --rate or this mode"
     if mode == "vllm":

@@ -177,12 +177,13 @@ def test_max_num_seqs_follows_the_token_budget(capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--num-requests", "-3"], "num_requests must be >= 1, got -3"),
+        (["--num-requests", "-3"], "--num-requests must be >= 1, got -3"),  # the flag, not the Python name
         (["--modes", "nope"], "unknown mode 'nope'"),
         (["--modes", "labkit-static,hf-continuous"], "mode 'hf-continuous' cannot run"),
         (["--targets", "ttft<0.5"], "bad latency target"),
         (["--max-len", "64"], "unknown option 'max_len' for workload 'long-tail'"),
-        (["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
+        (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+        (["--prompt-len", "0,5"], "--prompt-len low must be >= 1, got 0"),
         (["--repeats", "0"], "--repeats must be >= 1"),
         (["--static-batch-size", "0"], "--static-batch-size must be >= 1"),
         (["--static-batch-size", "600"], "--static-batch-size (600) must be <= --max-batch-tokens"),

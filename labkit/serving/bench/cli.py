@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from contextlib import ExitStack
 from dataclasses import asdict
@@ -206,7 +207,7 @@ def _run(args: argparse.Namespace, restore: ExitStack) -> int:
                     check=False,
                 )
     except (ValueError, TypeError, OSError, ImportError) as error:
-        print(f"labkit bench: error: {error}", file=sys.stderr)
+        print(f"labkit bench: error: {as_flag(str(error))}", file=sys.stderr)
         return 2
     title = f"labkit bench: {args.model} on {meta['device']}, {args.workload} ({meta['clock']})"
     console.print((results_table if len(workloads) == 1 else sweep_table)(results, title=title))
@@ -229,6 +230,15 @@ def _run(args: argparse.Namespace, restore: ExitStack) -> int:
     if failed:
         print(f"labkit bench: {len(failed)} of {len(results)} runs failed; the others are shown", file=sys.stderr)
     return 1 if failed else 0
+
+
+def as_flag(message: str) -> str:
+    """An error that begins with a setting's Python name (``num_requests must be >= 1``) names its flag instead."""
+    options = vars(build_parser().parse_args([]))  # every setting, by its Python name
+    named = re.match(r"([a-z_]+)((?: low| high)? must )", message)
+    if named is None or named.group(1) not in options:
+        return message
+    return f"--{named.group(1).replace('_', '-')}{message[named.end(1) :]}"
 
 
 def static_batch_note(results: list[BenchResult], setup: BenchSetup, num_requests: int) -> str:

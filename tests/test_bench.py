@@ -308,6 +308,28 @@ def test_table_shows_ratios_to_labkit_static():
     text = console.export_text()
     ratio = results[0].metrics.output_throughput / results[1].metrics.output_throughput
     assert f"{ratio:.2f}x" in text and "1.00x" in text and "TTFT p90" in text
+    assert "per repeat" not in text  # one repeat: no spread to show
+
+
+def test_ratios_per_repeat_pair_each_round_and_fall_back_to_the_first_mode():
+    base = run_metrics(*run_workload(Engine(MODEL, EngineConfig()), make_workload("uniform", 2, **VOCAB)))
+
+    def result(mode: str, rates: list[float]) -> BenchResult:
+        repeats = [replace(base, output_throughput=rate) for rate in rates]
+        return BenchResult(mode, None, median_metrics(repeats), repeats=repeats)
+
+    def table(*results: BenchResult) -> str:
+        console = Console(width=200, record=True)
+        console.print(results_table(results))
+        return " ".join(console.export_text().split())
+
+    fast, static = result("labkit-continuous", [30.0, 10.0, 40.0]), result("labkit-static", [10.0, 5.0, 10.0])
+    text = table(fast, static)
+    assert "vs labkit-static │ 3.00x │ 1.00x" in text  # median over median: 30 / 10
+    assert "per repeat │ 2.00-4.00x │ 1.00-1.00x" in text  # round by round: 3, 2 and 4
+    text = table(fast, result("hf-generate", [15.0, 5.0, 20.0]))  # no labkit-static: ratios to the first mode
+    assert "vs labkit-continuous │ 1.00x │ 0.50x" in text and "per repeat │ 1.00-1.00x │ 0.50-0.50x" in text
+    assert "vs " not in table(fast)  # one mode: nothing to compare
 
 
 def test_main_sweeps_rates_and_writes_html(tmp_path, capsys):

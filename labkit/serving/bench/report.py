@@ -39,6 +39,8 @@ def results_table(results: Sequence[BenchResult], title: str = "labkit bench") -
         table.add_row(label, *("-" if r.metrics is None else cell(r.metrics) for r in results))
         if label == "output tokens/s" and reference is not None:
             table.add_row(f"  vs {reference.mode}", *(_ratio(r, reference) for r in results))
+            if len(reference.repeats) > 1:  # each round's runs side by side: the spread of the ratio itself
+                table.add_row("  per repeat", *(_ratio_range(r, reference) for r in results))
     return table
 
 
@@ -55,7 +57,7 @@ def sweep_table(results: Sequence[BenchResult], title: str = "labkit bench sweep
         table.add_column("status")
     for rate in dict.fromkeys(r.rate for r in results):
         group = [r for r in results if r.rate == rate]
-        reference = _reference(group)
+        reference = _reference(group, fallback=False)  # the column is "vs static"
         for result in group:
             m = result.metrics
             row = [rate_label(rate), result.mode]
@@ -79,14 +81,23 @@ def sweep_table(results: Sequence[BenchResult], title: str = "labkit bench sweep
     return table
 
 
-def _reference(results: Sequence[BenchResult]) -> BenchResult | None:
-    return next((r for r in results if r.mode == REFERENCE_MODE and not r.failed), None)
+def _reference(results: Sequence[BenchResult], *, fallback: bool = True) -> BenchResult | None:
+    """What the ratios are to: labkit static where it ran, else (with ``fallback``) the first mode that did."""
+    ran = [r for r in results if not r.failed]
+    return next((r for r in ran if r.mode == REFERENCE_MODE), ran[0] if len(ran) > 1 and fallback else None)
 
 
 def _ratio(result: BenchResult, reference: BenchResult) -> str:
     if result.metrics is None or reference.metrics is None:
         return "-"
     return f"{result.metrics.output_throughput / reference.metrics.output_throughput:.2f}x"
+
+
+def _ratio_range(result: BenchResult, reference: BenchResult) -> str:
+    """The lowest and highest ratio of one repeat's throughput to the reference's in the same round."""
+    pairs = zip(result.repeats, reference.repeats, strict=False)
+    ratios = [mine.output_throughput / theirs.output_throughput for mine, theirs in pairs]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios else "-"
 
 
 def _latency(name: str, stat: str) -> Callable[[RunMetrics], str]:

@@ -11,9 +11,9 @@ Two policies:
   free blocks allow. Long prompts are split into chunks (chunked prefill). A finished request frees its
   blocks at once. When a running request needs a block and none is free, the last running request (the
   most recently admitted, or under ``"priority"`` the lowest-ranked) is preempted and later recomputed
-  from scratch. With prefix
-  caching, an admitted request starts from the cached blocks of its prompt's longest cached prefix
-  and computes only the rest; the blocks a step's tokens fill are indexed when it commits.
+  from scratch. With prefix caching, an admitted request starts from the cached blocks of its prompt's
+  longest cached prefix and computes only the rest; the blocks a step's tokens fill are indexed when it
+  commits.
 * ``"static"`` - the classic padded batch: a new batch starts only when the previous one has fully
   finished; each member reserves blocks for prompt + ``max_new_tokens`` - 1 tokens up front (the last
   token is never fed back, so never cached); finished members
@@ -468,6 +468,8 @@ class Scheduler:
 
     def _requeue_all(self, victims: list[Request]) -> None:
         """Requeue the step's victims before the commit: if ``requeue_preempted`` raises, they are put back."""
+        if not victims:
+            return
         before = [(v, v.state, v.num_computed_tokens, v.metrics.num_preemptions) for v in victims]
         try:
             for victim in victims:

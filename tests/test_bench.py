@@ -139,7 +139,10 @@ def test_the_table_shows_batch_sizes_and_says_when_the_budget_kept_static_batche
     continuous, static = map(int, peaks.groups())
     assert static < continuous and static < 32
     assert f"labkit-static's batches held at most {static} requests, of 32 seats" in out
-    assert "one step of --max-batch-tokens (512)" in out
+    assert "one step of --max-batch-tokens (512), which holds 4 of the longest (125 tokens)" in out
+    # Online, batches are small because few requests have arrived, not for the budget: no note then.
+    assert main([*argv, "--max-batch-tokens", "8192", "--rate", "0.2"]) == 0
+    assert "note:" not in capsys.readouterr().out
     assert main([*argv, "--max-batch-tokens", "8192"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert re.search(r"peak batch size │ 32 │ 32 │", out) and "note:" not in out

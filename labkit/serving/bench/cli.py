@@ -211,7 +211,8 @@ def _run(args: argparse.Namespace, restore: ExitStack) -> int:
         return 2
     title = f"labkit bench: {args.model} on {meta['device']}, {args.workload} ({meta['clock']})"
     console.print((results_table if len(workloads) == 1 else sweep_table)(results, title=title))
-    note = static_batch_note(results, setup, max(map(len, workloads.values())))
+    requests = [request for workload in workloads.values() for request in workload]
+    note = static_batch_note(results, setup, max(map(len, workloads.values())), max(len(r.prompt) for r in requests))
     if note:
         console.print(note)
     data = results_json(results, meta)
@@ -241,19 +242,21 @@ def as_flag(message: str) -> str:
     return f"--{named.group(1).replace('_', '-')}{message[named.end(1) :]}"
 
 
-def static_batch_note(results: list[BenchResult], setup: BenchSetup, num_requests: int) -> str:
-    """A note when labkit-static's batches stayed smaller than its seats: the token budget, not the batch size,
-    set them (its padded prompts must prefill in one step), and its ratios say as much about that budget."""
+def static_batch_note(results: list[BenchResult], setup: BenchSetup, num_requests: int, longest_prompt: int) -> str:
+    """A note when the token budget kept labkit-static's batches smaller than its seats (its padded prompts must
+    prefill in one step): its ratios then say as much about that budget as about static batching."""
     peaks = [r.metrics.peak_batch_size for r in results if r.mode == "labkit-static" and r.metrics is not None]
     peak = max((p for p in peaks if p is not None), default=None)
-    seats = min(setup.batch_size, num_requests)
-    if peak is None or peak >= seats:
+    seats, budget = min(setup.batch_size, num_requests), setup.config.max_batch_tokens
+    fits = max(1, budget // longest_prompt)  # requests of the longest prompt that one step can prefill
+    if peak is None or peak >= seats or fits >= seats:
         return ""
     unlimited = ", not hf-generate's" if any(r.mode == "hf-generate" for r in results) else ""
     return (
         f"note: labkit-static's batches held at most {peak} requests, of {seats} seats: a static batch's prompts,"
-        f" padded to the longest, must prefill in one step of --max-batch-tokens ({setup.config.max_batch_tokens})."
-        f" That budget limits its batches{unlimited}; raise it for bigger ones."
+        f" padded to the longest, must prefill in one step of --max-batch-tokens ({budget}), which holds {fits}"
+        f" of the longest ({longest_prompt} tokens). That budget limits its batches{unlimited}; raise it for"
+        " bigger ones."
     )
 
 

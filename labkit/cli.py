@@ -171,9 +171,9 @@ def demo_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1; set explicitly)")
     args = parser.parse_args(argv)
     try:
-        check_num_requests(args.num_requests)  # the message labkit bench gives too
-    except ValueError as error:
-        parser.error(str(error))
+        check_num_requests(args.num_requests)
+    except ValueError as error:  # named by its flag, as labkit bench names it
+        parser.error(str(error).replace("num_requests", "--num-requests", 1))
     if args.steps < 0:
         parser.error(f"--steps must be >= 0, got {args.steps}")
     if args.threads < 1:

@@ -411,7 +411,7 @@ def test_demo_and_bench_give_one_message_for_a_bad_request_count(capsys, count):
         assert code == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         messages.append(err.split("error: ", 1)[1])
-    assert messages == [f"num_requests must be >= 1, got {count}"] * 2
+    assert messages == [f"--num-requests must be >= 1, got {count}"] * 2
 
 
 # ---------------------------------------------------------------------------------------------- the GPU budget

@@ -197,17 +197,24 @@ class DecodeGroup:
         """
         key = (per_kv, window, dtype)
         if key not in self.layouts:
-            key_pos = torch.arange(self.num_blocks * cache.block_size, device=self.last_key.device)
-            visible = key_pos <= self.last_key
-            if window is not None:
-                visible &= key_pos > self.last_key - window
-            mask = torch.where(visible, 0.0, float("-inf")).to(dtype)
+            mask = additive_mask(self.last_key, self.num_blocks * cache.block_size, window, dtype)
             block_starts = self.block_ids.view(1, self.num_segments, -1, 1) * cache.block_size
             rows = (block_starts + cache.row_offsets).view(cache.num_kv_heads, self.num_segments, 1, -1)
             index = rows.expand(-1, -1, per_kv, -1).reshape(-1)  # (KV, S, per_kv, context), flat
             offsets = torch.arange(0, index.numel(), rows.shape[-1], device=index.device)
             self.layouts[key] = mask, index, offsets
         return self.layouts[key]
+
+
+def additive_mask(last_key: torch.Tensor, num_keys: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """0 where a query may see key position ``p`` (``p <= last_key``, and within the sliding ``window`` if any),
+    -inf elsewhere: added to the attention scores, it masks without a branch. ``last_key``'s last dimension is 1:
+    the ``num_keys`` positions fill it."""
+    key_pos = torch.arange(num_keys, device=last_key.device)
+    visible = key_pos <= last_key
+    if window is not None:
+        visible &= key_pos > last_key - window
+    return torch.where(visible, 0.0, float("-inf")).to(dtype)
 
 
 @dataclass
@@ -256,14 +263,10 @@ class PrefillGroup:
         """Additive (1, S, per_kv * Q, context) mask, 0 where a query row may see a key, built once per step."""
         key = (per_kv, window, dtype)
         if key not in self.masks:
-            key_pos = torch.arange(self.num_blocks * block_size, device=self.last_key.device)
-            last_key = self.last_key[:, :, None]
-            visible = key_pos <= last_key
-            if window is not None:
-                visible &= key_pos > last_key - window
-            mask = torch.where(visible, 0.0, float("-inf")).to(dtype)  # (S, Q, context)
+            num_keys = self.num_blocks * block_size
+            mask = additive_mask(self.last_key[:, :, None], num_keys, window, dtype)  # (S, Q, context)
             # Rows are (query head, query) pairs: repeat the query rows per head.
-            mask = mask[:, None].expand(-1, per_kv, -1, -1).reshape(1, self.num_segments, -1, key_pos.numel())
+            mask = mask[:, None].expand(-1, per_kv, -1, -1).reshape(1, self.num_segments, -1, num_keys)
             self.masks[key] = mask
         return self.masks[key]
 

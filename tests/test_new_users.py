@@ -139,6 +139,62 @@ def test_a_model_whose_attention_needs_a_term_labkit_does_not_compute_is_refused
         Engine(sinks, EngineConfig(num_blocks=4, device="cpu"))
 
 
+def _phi3_longrope() -> torch.nn.Module:
+    half = 8  # head_dim 16
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * half, "long_factor": [4.0] * half}
+    config = transformers.Phi3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128, original_max_position_embeddings=32, pad_token_id=0,
+        rope_parameters={**rope, "original_max_position_embeddings": 32},
+    )  # fmt: skip
+    return transformers.Phi3ForCausalLM(config)
+
+
+OTHER_FORWARDS = {  # models whose forward labkit's paged steps would compute otherwise: wrong tokens, no error
+    "XGLMForCausalLM uses its own attention code": lambda: transformers.XGLMForCausalLM(
+        transformers.XGLMConfig(vocab_size=64, d_model=32, ffn_dim=64, num_layers=2, attention_heads=2)
+    ),
+    "GPTNeoForCausalLM uses its own attention code": lambda: transformers.GPTNeoForCausalLM(
+        transformers.GPTNeoConfig(
+            vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, attention_types=[[["global", "local"], 1]]
+        )
+    ),
+    r"Lfm2ForCausalLM uses layers that keep a state other than keys and values \(conv\)": lambda: _tiny(
+        transformers.Lfm2Config, transformers.Lfm2ForCausalLM, layer_types=["conv", "full_attention"]
+    ),
+    "Phi3ForCausalLM uses 'longrope' RoPE": _phi3_longrope,
+}
+
+
+@pytest.mark.parametrize(("message", "make"), OTHER_FORWARDS.items(), ids=["xglm", "gpt-neo", "lfm2", "phi3-longrope"])
+def test_a_model_whose_forward_labkit_would_compute_otherwise_is_refused_and_left_as_it_was(message, make):
+    """Models with their own attention code never called labkit's (each step saw only its new tokens), hybrids lost
+    their convolution or SSM state between steps, and longrope picked its frequencies for a whole packed step: each
+    gave wrong tokens without an error. The refusal comes before the model is converted."""
+    model = make()
+    with pytest.raises(ValueError, match=message):
+        Engine(model, EngineConfig(num_blocks=8, device="cpu", dtype="bfloat16"))
+    assert next(model.parameters()).dtype == torch.float32 and model.training
+
+
+def test_a_model_put_back_in_training_mode_fails_its_step_instead_of_sampling_with_dropout():
+    model = _tiny(transformers.LlamaConfig, transformers.LlamaForCausalLM, attention_dropout=0.5)
+    engine = Engine(model, EngineConfig(num_blocks=8, block_size=4, device="cpu"))
+    assert not model.training  # the engine runs it in eval mode
+    model.train()
+    with pytest.raises(ValueError, match=r"training mode \(model.train\(\)\).*call model.eval\(\) first"):
+        engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))
+    model.eval()
+    assert len(engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))[0].output_token_ids) == 2
+
+
+def test_a_model_never_loaded_is_refused_by_name():
+    with torch.device("meta"):
+        model = _tiny(transformers.LlamaConfig, transformers.LlamaForCausalLM)
+    with pytest.raises(ValueError, match="LlamaForCausalLM's weights are on the 'meta' device: it was never loaded"):
+        Engine(model, EngineConfig(num_blocks=8, device="cpu"))
+
+
 def test_gemma_2_without_soft_capping_matches_generate(greedy_reference):
     """The same family without the missing term is served, sliding window and all, token for token."""
     torch.manual_seed(0)

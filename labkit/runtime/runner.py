@@ -72,11 +72,12 @@ class LaunchedStep(NamedTuple):
 class ModelRunner:
     """Owns a transformers model and its paged KV cache, and turns a SchedulerOutput into sampled tokens.
 
-    The model is moved to the configured device and dtype in place (``nn.Module.to``). While another live
-    runner uses the model, a runner that would convert it to another device or dtype is refused: the other
-    runner's cache and packed weights were made for the old one. Its attention is switched to labkit's paged
-    attention only while a step runs, so ``model.generate`` still works; on a CPU its linear layers likewise
-    run on oneDNN-packed weights during a step (labkit.runtime.packed).
+    The model is moved to the configured device and dtype in place (``nn.Module.to``) and put in eval mode; a
+    model whose forward its paged steps would compute otherwise is refused first (:func:`attention_it_lacks`),
+    with the model left as it was. While another live runner uses the model, a runner that would convert it to
+    another device or dtype is refused: the other runner's cache and packed weights were made for the old one.
+    Its attention is switched to labkit's paged attention only while a step runs, so ``model.generate`` still
+    works; on a CPU its linear layers likewise run on oneDNN-packed weights during a step (labkit.runtime.packed).
 
     Three parts can be swapped, which is how the exercises run inside the engine: ``slot_mapping_fn``
     (signature of :func:`labkit.runtime.attention.slot_mapping`), ``attention_fn`` (signature of
@@ -127,16 +128,20 @@ class ModelRunner:
         self.attention_backend = resolve_attention_backend(backend, self.device)
         self.use_cuda_graph = resolve_use_cuda_graph(config.use_cuda_graph, self.attention_backend, self.device, model)
         first = next(model.parameters())
-        self._model_was = (first.device, first.dtype)  # put back if the cache cannot be allocated
-        self.model = model.to(device=self.device, dtype=dtype).eval()
-        self.dtype = next(model.parameters()).dtype
+        if first.is_meta:
+            raise ValueError(f"{type(model).__name__}'s weights are on the 'meta' device: it was never loaded")
         text = model.config.get_text_config()
+        self.max_model_len = getattr(text, "max_position_embeddings", None)
+        if not isinstance(self.max_model_len, int):
+            raise ValueError(f"{type(model).__name__}'s config has no max_position_embeddings: its length is unknown")
         self.num_layers, self.num_kv_heads, self.head_dim = kv_layout(model)
         self.vocab_size = model.get_input_embeddings().num_embeddings
-        self.max_model_len = text.max_position_embeddings
         self.eos_token_ids = _eos_token_ids(model)
-        pad = text.pad_token_id  # fills the rows thrown away; some configs hold an id outside the vocabulary (-1)
+        pad = getattr(text, "pad_token_id", None)  # fills the rows thrown away; some configs hold -1, or nothing
         self.pad_token_id = pad if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
+        self._model_was = (first.device, first.dtype)  # put back if the cache cannot be allocated
+        self.model = model.to(device=self.device, dtype=dtype).eval()  # the one change to the model, after every read
+        self.dtype = next(model.parameters()).dtype
         self.device_name = device_name(self.device)
         self.slot_mapping_fn = slot_mapping if slot_mapping_fn is None else slot_mapping_fn
         self.attention_fn = attention_fn
@@ -247,6 +252,11 @@ class ModelRunner:
         returned) and whose token each one is."""
         if self.cache is None:
             raise RuntimeError("init_cache must be called before a step runs")
+        if self.model.training:  # the engine put it in eval mode; model.train() since would make dropout pick tokens
+            raise ValueError(
+                "the model is in training mode (model.train()): its dropout would change the tokens;"
+                " call model.eval() first"
+            )
         tables = allocator.block_tables
         rows_before, samples_before = None, None
         if previous is not None:
@@ -405,14 +415,41 @@ def uses_sliding_window(model: Any) -> bool:
     return getattr(text, "sliding_window", None) is not None
 
 
+# Kinds of layer (a config's layer_types) whose whole state is the keys and values labkit's cache holds.
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
+
+
 def attention_it_lacks(model: Any) -> str | None:
-    """A term of ``model``'s attention that labkit's kernels leave out (None: none). transformers passes such terms
-    to an attention function as keyword arguments, which labkit's would take and ignore without this check."""
-    if getattr(model.config.get_text_config(), "attn_logit_softcapping", None) is not None:
+    """What of ``model``'s forward labkit's paged steps would not compute as the model does (None: nothing), so
+    that its tokens would be wrong without an error.
+
+    transformers passes extra attention terms to an attention function as keyword arguments, which labkit's would
+    take and ignore; a model whose layers do not call the attention interface at all, or keep another state than
+    keys and values (convolutions, SSMs), would lose it between steps; and a RoPE that picks its frequencies from
+    the longest position in the forward pass would pick them for a whole packed step, not per request.
+    """
+    text = model.config.get_text_config()
+    if not getattr(type(model), "_supports_attention_backend", False):
+        return (
+            "its own attention code (not transformers' attention interface, which labkit's paged attention plugs into)"
+        )
+    kinds = {*(getattr(text, "layer_types", None) or ()), *(getattr(text, "layers_block_type", None) or ())}
+    if other := sorted(kinds - ATTENTION_LAYER_TYPES):
+        return f"layers that keep a state other than keys and values ({', '.join(other)})"
+    if getattr(text, "attn_logit_softcapping", None) is not None:
         return "attention logit soft-capping (attn_logit_softcapping, as in Gemma 2)"
     if any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules()):
         return "attention sinks (a learned logit per head, as in gpt-oss)"
+    if "longrope" in rope_types(text):
+        return "'longrope' RoPE (its frequencies follow the longest position in a forward pass, and a step packs many)"
     return None
+
+
+def rope_types(text_config: Any) -> set[str]:
+    """The RoPE kinds a text config names (one per layer type where it has several: Gemma 3)."""
+    rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
+    per_layer_type = [value for value in rope.values() if isinstance(value, dict)]
+    return {str(p.get("rope_type", p.get("type", "default"))) for p in per_layer_type or [rope]}
 
 
 def blocks_beside_gather(
@@ -582,15 +619,12 @@ def resolve_use_cuda_graph(use_cuda_graph: bool | None, backend: str, device: to
 def graph_blocker(model: Any) -> str | None:
     """Why ``model``'s decode steps cannot be captured as a CUDA graph, or None if they can.
 
-    transformers' dynamic and longrope RoPE pick their frequencies from the step's largest position with a Python
-    ``if`` on a GPU value (in some versions), which waits for the GPU: a capture forbids that.
+    transformers' dynamic RoPE picks its frequencies from the step's largest position with a Python ``if`` on a
+    GPU value (in some versions), which waits for the GPU: a capture forbids that. (longrope does too, but labkit
+    refuses it anyway: see :func:`attention_it_lacks`.)
     """
-    text = model.config.get_text_config()
-    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-    per_layer_type = [value for value in rope.values() if isinstance(value, dict)]
-    for parameters in per_layer_type or [rope]:
-        kind = str(parameters.get("rope_type", parameters.get("type", "default")))
-        if "dynamic" in kind or kind == "longrope":
+    for kind in sorted(rope_types(model.config.get_text_config())):
+        if "dynamic" in kind:
             return (
                 f"its {kind!r} RoPE chooses its frequencies on the host in each step, which a CUDA graph cannot record"
             )

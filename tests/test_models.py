@@ -300,3 +300,10 @@ def test_course_model_runs_float32_on_a_gpu_unless_asked_otherwise(monkeypatch):
     models.course_model("auto", device="cuda")
     models.course_model("tiny-shakespeare", device="cuda", dtype=None)
     assert asked == [(models.COURSE_GPU_MODEL, "float32"), ("tiny-shakespeare", None)]
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_model_name_is_refused_not_read_as_the_current_folder(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"name_or_path is empty; built-in models: .*tiny-shakespeare"):
+        load(name)

@@ -103,6 +103,8 @@ def load(name_or_path: str | Path, device: str | torch.device = "auto", dtype: A
         return _from_directory(name_or_path, target, dtype)
     if not isinstance(name_or_path, str):
         raise TypeError(f"name_or_path must be a str or Path, got {type(name_or_path).__name__}")
+    if not name_or_path.strip():  # Path("") is the current folder, which the user did not name
+        raise ValueError(f"name_or_path is empty; built-in models: {', '.join(sorted(MODELS))}")
     if name_or_path == "tiny-shakespeare":
         return _from_directory(BUNDLED_DIR, target, dtype)
     if name_or_path == "smollm2-135m":

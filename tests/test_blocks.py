@@ -149,3 +149,11 @@ def test_rollback_after_commit_changes_nothing():
     allocator.rollback()  # no checkpoint since the commit: a no-op
     assert allocator.block_tables == {"a": [0, 1]} and allocator.ref_counts == [1, 1, 0, 0]
     assert list(allocator.free_blocks) == [2, 3] and allocator.num_slots == {"a": 3}
+
+
+def test_allocate_never_lowers_num_slots_on_the_fast_path():
+    allocator = BlockAllocator(num_blocks=4, block_size=4)
+    allocator.allocate("a", 3)
+    allocator.allocate("a", 2)  # fits in the last block: the fast path
+    assert allocator.num_slots["a"] == 3
+    assert allocator.append_slot("a") == 3

@@ -6,9 +6,11 @@ The random runs of every policy are in test_scheduler.py (no caching) and test_p
 import pytest
 
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel
-from labkit.core.queues import AGEING, FcfsQueue, ShortestFirstQueue
+from labkit.core.blocks import BlockAllocator
+from labkit.core.queues import AGEING, FcfsQueue, PriorityQueue, ShortestFirstQueue
 from labkit.core.request import Request
-from tests.test_scheduler import run_to_completion
+from labkit.core.scheduler import Scheduler
+from tests.test_scheduler import commit_step, run_to_completion
 
 
 def engine_for(scheduling: str, **kwargs) -> Engine:
@@ -223,3 +225,96 @@ def test_priority_a_request_preempted_for_room_is_not_displaced_again_for_a_newc
     assert [w.request_id for w in report.scheduled] == [a]
     run_to_completion(engine)
     assert [engine.requests[r].finish_reason for r in (a, b, h)] == ["length"] * 3
+
+
+def priority_scheduler(**settings: object) -> Scheduler:
+    """A Scheduler under "priority" with its own allocator: planned and committed by hand, no engine."""
+    config = EngineConfig(scheduling="priority", **settings)
+    allocator = BlockAllocator(config.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+    return Scheduler(config, allocator)
+
+
+def test_priority_ties_break_by_arrival_even_after_a_requeue():
+    queue = PriorityQueue()
+    a, b = (Request(i, [5, 6], SamplingParams(priority=1)) for i in range(2))
+    queue.add(a, 0)
+    queue.add(b, 0)
+    assert queue.popleft() is a
+    queue.requeue(a)  # preempted: back ahead of the later arrival of equal priority
+    assert list(queue) == [a, b]
+    assert queue.outranks(a, b) and not queue.outranks(b, a)
+
+
+def test_ranked_queue_popleft_takes_the_smallest_key():
+    queue = PriorityQueue()
+    low, high = Request(0, [5], SamplingParams(priority=2)), Request(1, [5], SamplingParams(priority=0))
+    queue.add(low, 0)
+    queue.add(high, 0)
+    assert queue.popleft() is high
+
+
+def test_shortest_first_counts_max_new_tokens():
+    queue = ShortestFirstQueue()
+    long_output = Request(0, [5] * 4, SamplingParams(max_new_tokens=100))  # 104 expected tokens
+    long_prompt = Request(1, [5] * 20, SamplingParams(max_new_tokens=1))  # 21 expected tokens
+    queue.add(long_output, 0)
+    queue.add(long_prompt, 0)
+    assert list(queue) == [long_prompt, long_output]
+
+
+def test_priority_displaces_when_the_victims_free_exactly_the_blocks_needed():
+    scheduler = priority_scheduler(block_size=4, num_blocks=2, max_batch_tokens=16, max_num_seqs=4)
+    low = Request(0, [1] * 5, SamplingParams(max_new_tokens=4, priority=2))
+    scheduler.add(low)
+    commit_step(scheduler)  # low holds both blocks
+    high = Request(1, [2] * 8, SamplingParams(max_new_tokens=1, priority=0))  # needs both blocks
+    scheduler.add(high)
+    out = commit_step(scheduler)
+    assert out.preempted == [low] and out.admitted == [high]
+
+
+def test_priority_unchunked_displaces_for_a_prompt_exactly_the_budget():
+    scheduler = priority_scheduler(
+        block_size=4, num_blocks=2, max_batch_tokens=8, max_num_seqs=4, chunked_prefill=False
+    )
+    low = Request(0, [1] * 5, SamplingParams(max_new_tokens=4, priority=2))
+    scheduler.add(low)
+    commit_step(scheduler)
+    high = Request(1, [2] * 8, SamplingParams(max_new_tokens=1, priority=0))  # 8 tokens == max_batch_tokens
+    scheduler.add(high)
+    out = commit_step(scheduler)
+    assert out.preempted == [low] and out.admitted == [high]
+
+
+def test_priority_does_not_displace_a_request_whose_blocks_are_shared_with_a_better_one():
+    scheduler = priority_scheduler(
+        block_size=4, num_blocks=4, max_batch_tokens=32, max_num_seqs=4, enable_prefix_caching=True
+    )
+    shared = list(range(10, 18))
+    a = Request(0, [*shared, 1], SamplingParams(max_new_tokens=4, priority=0))
+    scheduler.add(a)
+    commit_step(scheduler)  # a: blocks 0, 1 (indexed), 2
+    b = Request(1, [*shared, 2], SamplingParams(max_new_tokens=4, priority=2))
+    scheduler.add(b)
+    commit_step(scheduler)  # b shares blocks 0, 1 and takes block 3: nothing free
+    high = Request(2, [3] * 5, SamplingParams(max_new_tokens=2, priority=1))  # needs 2 blocks; b frees only 1
+    scheduler.add(high)
+    out = commit_step(scheduler)
+    assert out.preempted == [] and out.admitted == []
+
+
+def test_a_failed_steps_victim_does_not_run_after_a_displacement_that_preempted_no_one():
+    scheduler = priority_scheduler(block_size=4, num_blocks=16, max_batch_tokens=32, max_num_seqs=3)
+    a, m, b = (Request(i, [i + 1] * 3, SamplingParams(max_new_tokens=8, priority=p)) for i, p in enumerate((0, 3, 5)))
+    for r in (a, m, b):
+        scheduler.add(r)
+    commit_step(scheduler)
+    h = Request(3, [9] * 3, SamplingParams(max_new_tokens=2, priority=1))
+    scheduler.add(h)
+    failed = scheduler.schedule()
+    assert failed.preempted == [b] and failed.admitted == [h]  # no seat: h displaces b
+    scheduler.rollback(failed)  # the step failed; b must still be evicted first
+    scheduler.abort(a.request_id, 0.0)  # a seat frees up: h is admitted without displacing anyone
+    out = scheduler.schedule()
+    assert out.admitted == [h]
+    assert out.preempted == [b] and b not in [c.request for c in out.chunks]

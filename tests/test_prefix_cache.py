@@ -17,7 +17,7 @@ from hypothesis.stateful import initialize, invariant, rule
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel, load_trace, save_trace
 from labkit.core import prefix_cache
 from labkit.core.blocks import BlockAllocator
-from labkit.core.prefix_cache import PrefixCacheStats, block_hash
+from labkit.core.prefix_cache import PrefixCache, PrefixCacheStats, block_hash
 from labkit.core.request import Request
 from labkit.serving.metrics import run_metrics, sum_prefix_stats
 from labkit.serving.workloads import make_workload
@@ -504,3 +504,24 @@ def test_the_block_map_shows_shared_blocks_with_their_owners_and_reusable_blocks
     reusable = [h for row in blocks.figure(1).data[0].hovertext for h in row if "reusable" in h]
     assert len(reusable) == 3
     assert "3 shared" in blocks.figure(len(engine.reports)).layout.title.text
+
+
+def test_match_rejects_a_colliding_block_whose_parent_differs():
+    class ParentBlind(PrefixCache):
+        block_hash = staticmethod(lambda parent, tokens: bytes(tokens))  # collides across parents
+
+    cache = ParentBlind(block_size=4)
+    c = Request(0, [3, 3, 3, 3, 7], SamplingParams())
+    a = Request(1, [1, 1, 1, 1, 2, 2, 2, 2, 7], SamplingParams())
+    assert cache.insert(c, 0, 0) and cache.insert(a, 0, 1) and cache.insert(a, 1, 2)
+    b = Request(2, [3, 3, 3, 3, 2, 2, 2, 2, 7], SamplingParams())
+    assert cache.match(b).blocks == [0]
+
+
+def test_inserting_into_a_rewritten_stale_block_makes_it_servable_again():
+    cache = PrefixCache(block_size=4)
+    cache.stale.add(0)  # a failed step may have overwritten block 0; it has since been rewritten
+    r = Request(0, [1, 2, 3, 4, 5], SamplingParams())
+    assert cache.insert(r, 0, 0)
+    assert 0 not in cache.stale
+    assert cache.match(r).blocks == [0]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from labkit import Engine, EngineConfig, SamplingParams
-from labkit.runtime.sampling import Sampler, feed_back_samples, seeded_uniform
+from labkit.runtime.sampling import Sampler, checked_samples, feed_back_samples, seeded_uniform
 
 torch.set_num_threads(1)
 
@@ -264,3 +264,15 @@ def test_feed_back_replaces_only_the_negative_placeholders():
     samples = torch.tensor([11, 12])
     feed_back_samples(input_ids, samples)
     assert input_ids.tolist() == [0, 5, 11, 0, 12, 7]
+
+
+def test_a_temperature_below_float32s_range_is_greedy():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    for seed in range(20):
+        assert Sampler()(logits, [SamplingParams(temperature=1e-50, seed=seed)], [0]) == [1]
+
+
+def test_checked_samples_refuses_the_token_equal_to_the_vocabulary_size():
+    assert checked_samples([0, 3], 4, torch.device("cpu"), [7, 8]) == [0, 3]
+    with pytest.raises(ValueError, match="row 1"):
+        checked_samples([0, 4], 4, torch.device("cpu"), [7, 8])

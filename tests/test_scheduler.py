@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel
 from labkit.core.blocks import BlockAllocator
-from labkit.core.request import Request, RequestState
+from labkit.core.request import PENDING_TOKEN, Request, RequestState
 from labkit.core.scheduler import ScheduledChunk, Scheduler
 
 EOS = SimulatedModel.eos_token_id
@@ -24,6 +24,13 @@ EOS = SimulatedModel.eos_token_id
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def commit_step(scheduler: Scheduler, token: int = 5):
+    """Plan a step of a scheduler driven by hand and commit it as if the model sampled ``token`` for each row."""
+    output = scheduler.schedule()
+    scheduler.update(output, [token for chunk in output.chunks if chunk.samples], 0.0)
+    return output
 
 
 def run_to_completion(engine: Engine) -> list:
@@ -553,3 +560,46 @@ TestStaticChunked = as_test(StaticChunked)
 TestStaticUnchunked = as_test(StaticUnchunked)
 TestContinuousPriority = as_test(ContinuousPriority)
 TestContinuousShortestFirst = as_test(ContinuousShortestFirst)
+
+
+def test_abort_keeps_the_first_token_time_of_a_request_that_produced_tokens():
+    config = EngineConfig(block_size=4, num_blocks=8, max_batch_tokens=16, max_num_seqs=2)
+    scheduler = Scheduler(config, BlockAllocator(8, 4))
+    r = Request(0, [1, 2, 3], SamplingParams(max_new_tokens=5))
+    scheduler.add(r)
+    output = scheduler.schedule()
+    scheduler.update(output, [5], 1.0)
+    scheduler.abort(0, 2.0)
+    assert r.finish_reason == "abort" and r.metrics.first_token_time == 1.0
+
+
+def test_a_request_preempted_after_its_unread_stop_token_counts_no_preemption():
+    config = EngineConfig(block_size=4, num_blocks=2, max_batch_tokens=16, max_num_seqs=2, async_scheduling=True)
+    scheduler = Scheduler(config, BlockAllocator(2, 4))
+    a = Request(0, [1] * 4, SamplingParams(max_new_tokens=4))
+    b = Request(1, [2] * 3, SamplingParams(max_new_tokens=5, stop_token_ids=[99]))
+    scheduler.add(a)
+    scheduler.add(b)
+    out1 = scheduler.schedule()
+    scheduler.update(out1, [PENDING_TOKEN, PENDING_TOKEN], 1.0)
+    out2 = scheduler.schedule()  # a needs a second block: b, the youngest, is preempted
+    assert out2.preempted == [b]
+    scheduler.update(out2, [PENDING_TOKEN], 2.0)
+    resolved = scheduler.resolve(out1, [7, 99], 2.0)  # b's first token was its stop token
+    assert resolved.stopped == [b] and b.finish_reason == "stop"
+    assert b.metrics.num_preemptions == 0
+
+
+def test_aborting_one_member_of_a_static_batch_keeps_the_batch_running():
+    config = EngineConfig(block_size=4, num_blocks=8, max_batch_tokens=16, max_num_seqs=2, policy="static")
+    allocator = BlockAllocator(8, 4)
+    scheduler = Scheduler(config, allocator)
+    a, b = (Request(i, [i + 1] * 3, SamplingParams(max_new_tokens=4)) for i in range(2))
+    scheduler.add(a)
+    scheduler.add(b)
+    commit_step(scheduler)
+    scheduler.abort(a.request_id, 1.0)
+    assert scheduler.running == [a, b] and b.request_id in allocator.block_tables
+    while scheduler.has_unfinished():
+        commit_step(scheduler)
+    assert b.finish_reason == "length" and b.output_token_ids == [5] * 4

@@ -182,7 +182,8 @@ class Scheduler:
 
         What the model wrote into the KV cache cannot be rolled back: if the step preempted requests,
         their blocks may now hold other requests' keys and values. So the next plan evicts them first,
-        as the failed step did (when nothing changed in between, that is the very same plan).
+        as the failed step did (when nothing changed in between, the very same requests; one that the failed step
+        admitted in a victim's place may wait a step, when that step also preempted for blocks).
         """
         self.allocator.rollback()
         if output is not None and output.preempted:

@@ -834,7 +834,9 @@ def main() -> None:
     traces = args.traces or (TRACE_DIR if device.type == "cuda" else args.out.parent)
     console = Console(width=120)
     if device.type == "cpu":
-        torch.set_num_threads(min(4, torch.get_num_threads()))
+        # One thread, as every script here: transformers' batching manager steps on a thread of its own, and
+        # intra-op threads fighting it for a small machine's cores made its rate swing threefold between runs.
+        torch.set_num_threads(1)
     results: dict[str, Any] = {
         "device": device_name(device),
         "torch": torch.__version__,

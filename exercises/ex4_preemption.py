@@ -35,6 +35,8 @@ class MyScheduler(Scheduler):
     def requeue_preempted(self, victim: Request) -> None:
         """Commit the preemption: ``victim`` waits again, at the *front* of ``self.waiting``.
 
+        The scheduler has taken it out of ``self.running`` already: put it in the queue, nowhere else.
+
         Its keys and values are gone with its blocks, so its ``num_computed_tokens`` restarts at 0 and its
         state is ``RequestState.WAITING``; its ``metrics.num_preemptions`` grows by one. It keeps the tokens
         it generated: recomputed from prompt + output, it produces exactly the output it would have had

@@ -174,6 +174,25 @@ def test_a_victim_whose_requeue_raises_is_put_back_with_the_step(scheduling, see
     assert reports == expected_reports
 
 
+def test_a_requeue_that_also_takes_the_victim_out_of_the_running_list_changes_nothing():
+    """requeue_preempted runs with the victim out of the running list already: a learner's that also removes it
+    there (a plausible belt and braces) made the commit drop another request, which then never finished."""
+    from labkit.core.scheduler import Scheduler
+
+    class BeltAndBraces(Scheduler):
+        def requeue_preempted(self, victim):
+            super().requeue_preempted(victim)
+            if victim in self.running:
+                self.running.remove(victim)
+
+    config = EngineConfig(block_size=4, num_blocks=5, max_batch_tokens=64, max_num_seqs=3)
+    prompts, params = [[1, 2, 3, 4]] * 4, [SamplingParams(max_new_tokens=12, ignore_eos=True)] * 4
+    expected, expected_reports, _ = run(Engine(SimulatedModel(), config), prompts, params)
+    outputs, reports, _ = run(Engine(SimulatedModel(), config, scheduler_cls=BeltAndBraces), prompts, params)
+    assert outputs == expected and reports == expected_reports
+    assert any(r["preempted"] for r in reports)
+
+
 def test_the_workload_preempts_and_chunks_static_prompts():
     # The fault-injection runs above are only as strong as their workload: it must preempt and chunk.
     prompts, params = sim_workload(0)

@@ -33,8 +33,8 @@ class FcfsQueue:
     """First come, first served: a deque, with preempted requests put back in front.
 
     The scheduler plans a step by iterating over the queue in order, without taking anything out; the
-    step's commit then takes the admitted requests off the front (``popleft``) and puts the preempted
-    ones back (``requeue``).
+    step's commit then puts the preempted requests back (``requeue``) and takes the admitted ones out
+    (``remove``: they were at the front before the preempted ones went back).
     """
 
     preempts = False  # a waiting request never displaces a running one

@@ -216,8 +216,6 @@ class Scheduler:
 
         self.step_index = output.step
         self.evict_first = []
-        if output.preempted:  # they were the end of the running list
-            del self.running[len(self.running) - len(output.preempted) :]
         for request in output.admitted:  # they were the head of the queue, before the victims went back in
             self.waiting.remove(request)
             self.waiting.place(self.running, request)
@@ -468,14 +466,18 @@ class Scheduler:
         output.preempted.append(victim)
 
     def _requeue_all(self, victims: list[Request]) -> None:
-        """Requeue the step's victims before the commit: if ``requeue_preempted`` raises, they are put back."""
+        """Move the step's victims from the running list (they are its end) back to the queue, before the commit:
+        if ``requeue_preempted`` raises, everything is put back as it was."""
         if not victims:
             return
         before = [(v, v.state, v.num_computed_tokens, v.metrics.num_preemptions) for v in victims]
+        running = list(self.running)
+        del self.running[len(running) - len(victims) :]
         try:
             for victim in victims:
                 self.requeue_preempted(victim)
         except BaseException:
+            self.running[:] = running
             for victim, state, computed, preemptions in before:
                 victim.state, victim.num_computed_tokens, victim.metrics.num_preemptions = state, computed, preemptions
                 while any(r is victim for r in self.waiting):
@@ -484,6 +486,7 @@ class Scheduler:
 
     def requeue_preempted(self, victim: Request) -> None:
         """Commit a preemption (exercise 4): ``victim`` waits again, first in line, to be recomputed from scratch.
+        (It is out of ``self.running`` already.)
 
         Its keys and values went with its blocks, so ``num_computed_tokens`` restarts at 0; it keeps the
         tokens it generated, so recomputing prompt + output gives the same next tokens as before.

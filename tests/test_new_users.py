@@ -132,10 +132,10 @@ def test_a_model_whose_attention_needs_a_term_labkit_does_not_compute_is_refused
     """Gemma 2's logit soft-capping and gpt-oss's sinks reach an attention function as keyword arguments that
     labkit's would ignore: the engine refuses the model instead of generating wrong tokens."""
     gemma = _tiny(transformers.Gemma2Config, transformers.Gemma2ForCausalLM)
-    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM uses attention logit soft-capping.*generate"):
+    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM cannot run .*leaves out its logit soft-capping.*generate"):
         Engine(gemma, EngineConfig(num_blocks=4, device="cpu"))
     sinks = _tiny(transformers.GptOssConfig, transformers.GptOssForCausalLM, num_local_experts=2, num_experts_per_tok=1)
-    with pytest.raises(ValueError, match=r"GptOssForCausalLM uses attention sinks"):
+    with pytest.raises(ValueError, match=r"GptOssForCausalLM cannot run .*leaves out its attention sinks"):
         Engine(sinks, EngineConfig(num_blocks=4, device="cpu"))
 
 
@@ -151,30 +151,46 @@ def _phi3_longrope() -> torch.nn.Module:
 
 
 OTHER_FORWARDS = {  # models whose forward labkit's paged steps would compute otherwise: wrong tokens, no error
-    "XGLMForCausalLM uses its own attention code": lambda: transformers.XGLMForCausalLM(
+    r"XGLMForCausalLM cannot run .*: it does not declare transformers' attention": lambda: transformers.XGLMForCausalLM(
         transformers.XGLMConfig(vocab_size=64, d_model=32, ffn_dim=64, num_layers=2, attention_heads=2)
     ),
-    "GPTNeoForCausalLM uses its own attention code": lambda: transformers.GPTNeoForCausalLM(
-        transformers.GPTNeoConfig(
-            vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, attention_types=[[["global", "local"], 1]]
+    r"GPTNeoForCausalLM cannot run .*: it does not declare transformers' attention": lambda: (
+        transformers.GPTNeoForCausalLM(
+            transformers.GPTNeoConfig(
+                vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, attention_types=[[["global", "local"], 1]]
+            )
         )
     ),
-    r"Lfm2ForCausalLM uses layers that keep a state other than keys and values \(conv\)": lambda: _tiny(
+    r"Lfm2ForCausalLM cannot run .*: its layers keep a state other than keys and values \(conv\)": lambda: _tiny(
         transformers.Lfm2Config, transformers.Lfm2ForCausalLM, layer_types=["conv", "full_attention"]
     ),
-    "Phi3ForCausalLM uses 'longrope' RoPE": _phi3_longrope,
 }
 
 
-@pytest.mark.parametrize(("message", "make"), OTHER_FORWARDS.items(), ids=["xglm", "gpt-neo", "lfm2", "phi3-longrope"])
+@pytest.mark.parametrize(("message", "make"), OTHER_FORWARDS.items(), ids=["xglm", "gpt-neo", "lfm2"])
 def test_a_model_whose_forward_labkit_would_compute_otherwise_is_refused_and_left_as_it_was(message, make):
-    """Models with their own attention code never called labkit's (each step saw only its new tokens), hybrids lost
-    their convolution or SSM state between steps, and longrope picked its frequencies for a whole packed step: each
-    gave wrong tokens without an error. The refusal comes before the model is converted."""
+    """Models with their own attention code never called labkit's (each step saw only its new tokens), and hybrids
+    lost their convolution or SSM state between steps: each gave wrong tokens without an error. The refusal comes
+    before the model is converted."""
     model = make()
     with pytest.raises(ValueError, match=message):
         Engine(model, EngineConfig(num_blocks=8, device="cpu", dtype="bfloat16"))
     assert next(model.parameters()).dtype == torch.float32 and model.training
+
+
+def test_a_longrope_model_is_served_up_to_the_length_it_was_trained_at(greedy_reference):
+    """longrope picks its frequencies from the largest position in a forward pass, and a packed step holds many
+    requests: a short request batched with one past original_max_position_embeddings (32 here) got the long
+    frequencies. Up to that length every step uses the short ones, so the engine serves that far, token for token."""
+    torch.manual_seed(0)
+    model = _phi3_longrope().eval()
+    engine = Engine(model, EngineConfig(num_blocks=32, block_size=4, max_batch_tokens=8, device="cpu"))
+    assert engine.runner.max_model_len == 32
+    prompts = [[5, 9, 3], list(range(3, 27))]  # a short prompt batched with one chunked over three steps
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    assert [o.output_token_ids for o in outputs] == [greedy_reference(model, p, 5) for p in prompts]
+    with pytest.raises(ValueError, match="32"):
+        engine.add_request(list(range(3, 30)), SamplingParams(max_new_tokens=8))
 
 
 def test_a_model_put_back_in_training_mode_fails_its_step_instead_of_sampling_with_dropout():

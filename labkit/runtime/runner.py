@@ -115,8 +115,8 @@ class ModelRunner:
         missing = attention_it_lacks(model)
         if missing:
             raise ValueError(
-                f"{type(model).__name__} uses {missing}, which labkit's attention does not compute: its tokens would"
-                " be wrong. Use transformers' generate for this model"
+                f"{type(model).__name__} cannot run in labkit's paged steps: {missing}, so its tokens would be wrong."
+                " Use transformers' generate for this model"
             )
         if attention_fn is not None and uses_sliding_window(model):
             raise ValueError("an attention_fn attends to the whole context; this model uses a sliding window")
@@ -131,9 +131,9 @@ class ModelRunner:
         if first.is_meta:
             raise ValueError(f"{type(model).__name__}'s weights are on the 'meta' device: it was never loaded")
         text = model.config.get_text_config()
-        self.max_model_len = getattr(text, "max_position_embeddings", None)
-        if not isinstance(self.max_model_len, int):
+        if not isinstance(getattr(text, "max_position_embeddings", None), int):
             raise ValueError(f"{type(model).__name__}'s config has no max_position_embeddings: its length is unknown")
+        self.max_model_len = model_length(text)
         self.num_layers, self.num_kv_heads, self.head_dim = kv_layout(model)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.eos_token_ids = _eos_token_ids(model)
@@ -420,34 +420,54 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "atten
 
 
 def attention_it_lacks(model: Any) -> str | None:
-    """What of ``model``'s forward labkit's paged steps would not compute as the model does (None: nothing), so
+    """Why labkit's paged steps would not compute ``model``'s forward as the model does (None: they would), so
     that its tokens would be wrong without an error.
 
     transformers passes extra attention terms to an attention function as keyword arguments, which labkit's would
-    take and ignore; a model whose layers do not call the attention interface at all, or keep another state than
-    keys and values (convolutions, SSMs), would lose it between steps; and a RoPE that picks its frequencies from
-    the longest position in the forward pass would pick them for a whole packed step, not per request.
+    take and ignore; and a model whose layers do not call the attention interface, or keep another state than
+    keys and values (convolutions, SSMs), would lose it between steps.
     """
     text = model.config.get_text_config()
     if not getattr(type(model), "_supports_attention_backend", False):
         return (
-            "its own attention code (not transformers' attention interface, which labkit's paged attention plugs into)"
+            "it does not declare transformers' attention interface (_supports_attention_backend), which labkit's"
+            " attention plugs into"
         )
     kinds = {*(getattr(text, "layer_types", None) or ()), *(getattr(text, "layers_block_type", None) or ())}
     if other := sorted(kinds - ATTENTION_LAYER_TYPES):
-        return f"layers that keep a state other than keys and values ({', '.join(other)})"
+        return f"its layers keep a state other than keys and values ({', '.join(other)})"
     if getattr(text, "attn_logit_softcapping", None) is not None:
-        return "attention logit soft-capping (attn_logit_softcapping, as in Gemma 2)"
+        return "labkit's attention leaves out its logit soft-capping (attn_logit_softcapping, as in Gemma 2)"
     if any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules()):
-        return "attention sinks (a learned logit per head, as in gpt-oss)"
-    if "longrope" in rope_types(text):
-        return "'longrope' RoPE (its frequencies follow the longest position in a forward pass, and a step packs many)"
+        return "labkit's attention leaves out its attention sinks (a learned logit per head, as in gpt-oss)"
     return None
+
+
+def model_length(text_config: Any) -> int:
+    """The longest context labkit serves: the config's, or, with longrope RoPE, the length it was trained at.
+
+    longrope picks its frequencies from the largest position in a forward pass: short ones up to
+    ``original_max_position_embeddings``, long ones beyond. A packed step holds many requests, so past that length
+    one request's frequencies would depend on the others'; below it they are always the short ones.
+    """
+    length = text_config.max_position_embeddings
+    if "longrope" in rope_types(text_config):
+        original = _rope_parameters(text_config).get("original_max_position_embeddings") or getattr(
+            text_config, "original_max_position_embeddings", None
+        )
+        if isinstance(original, int):
+            length = min(length, original)
+    return length
+
+
+def _rope_parameters(text_config: Any) -> dict[str, Any]:
+    """A config's RoPE settings: ``rope_parameters`` in recent transformers, ``rope_scaling`` in older configs."""
+    return getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
 
 
 def rope_types(text_config: Any) -> set[str]:
     """The RoPE kinds a text config names (one per layer type where it has several: Gemma 3)."""
-    rope = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
+    rope = _rope_parameters(text_config)
     per_layer_type = [value for value in rope.values() if isinstance(value, dict)]
     return {str(p.get("rope_type", p.get("type", "default"))) for p in per_layer_type or [rope]}
 
@@ -620,11 +640,10 @@ def graph_blocker(model: Any) -> str | None:
     """Why ``model``'s decode steps cannot be captured as a CUDA graph, or None if they can.
 
     transformers' dynamic RoPE picks its frequencies from the step's largest position with a Python ``if`` on a
-    GPU value (in some versions), which waits for the GPU: a capture forbids that. (longrope does too, but labkit
-    refuses it anyway: see :func:`attention_it_lacks`.)
+    GPU value (in some versions), which waits for the GPU: a capture forbids that. longrope does too.
     """
     for kind in sorted(rope_types(model.config.get_text_config())):
-        if "dynamic" in kind:
+        if "dynamic" in kind or kind == "longrope":
             return (
                 f"its {kind!r} RoPE chooses its frequencies on the host in each step, which a CUDA graph cannot record"
             )

@@ -138,14 +138,21 @@ def test_the_table_shows_batch_sizes_and_says_when_the_budget_kept_static_batche
     peaks = re.search(r"peak batch size │ (\d+) │ (\d+) │", out)
     continuous, static = map(int, peaks.groups())
     assert static < continuous and static < 32
-    assert f"labkit-static's batches held at most {static} requests, of 32 seats" in out
+    assert f"labkit-static's batches held at most {static} requests of 32 seats" in out
     assert "one step of --max-batch-tokens (512), which holds 4 of the longest (125 tokens)" in out
     # Online, batches are small because few requests have arrived, not for the budget: no note then.
-    assert main([*argv, "--max-batch-tokens", "8192", "--rate", "0.2"]) == 0
-    assert "note:" not in capsys.readouterr().out
-    assert main([*argv, "--max-batch-tokens", "8192"]) == 0
+    assert main([*argv, "--rate", "0.01"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"peak batch size │ \d+ │ 1 │", out) and "note:" not in out
+    assert main([*argv, "--max-batch-tokens", "8192"]) == 0  # a budget that holds every batch: full batches
     out = " ".join(capsys.readouterr().out.split())
     assert re.search(r"peak batch size │ 32 │ 32 │", out) and "note:" not in out
+
+
+def test_a_sweep_with_an_offline_point_takes_a_burstiness_for_its_online_ones(capsys):
+    """The offline point of a sweep has no gaps to shape: it was refused for the burstiness of the others."""
+    assert main(["--rate", "inf,2", "--burstiness", "2", "--num-requests", "8", "--no-progress"]) == 0
+    assert "2/s" in capsys.readouterr().out
 
 
 def test_a_bench_run_in_a_notebook_leaves_its_threads_and_logging_as_they_were(capsys):

@@ -161,7 +161,10 @@ def arrival_times(
         raise ValueError(f"burstiness must be a positive finite number, got {burstiness}")
     if rate is None or rate == math.inf:
         if burstiness != 1:
-            raise ValueError(f"burstiness {burstiness} shapes the gaps between arrivals: give a rate too")
+            raise ValueError(
+                f"burstiness {burstiness} shapes the gaps between arrivals, and with no rate (or an infinite one)"
+                " every request arrives at once: give a finite rate too"
+            )
         return [0.0] * int(n)
     if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
         raise TypeError(f"rate must be a number of requests per second, got {type(rate).__name__}")

@@ -237,7 +237,8 @@ def as_flag(message: str) -> str:
     """An error that begins with a setting's Python name (``num_requests must be >= 1``) names its flag instead."""
     options = vars(build_parser().parse_args([]))  # every setting, by its Python name
     named = re.match(r"([a-z_]+)((?: low| high)? must )", message)
-    if named is None or named.group(1) not in options:
+    # "model" and "workload" also name the objects that the library checks, not only the flags' values.
+    if named is None or named.group(1) not in options.keys() - {"model", "workload", "modes"}:
         return message
     return f"--{named.group(1).replace('_', '-')}{message[named.end(1) :]}"
 
@@ -249,11 +250,11 @@ def static_batch_note(results: list[BenchResult], setup: BenchSetup, num_request
     peak = max((p for p in peaks if p is not None), default=None)
     seats, budget = min(setup.batch_size, num_requests), setup.config.max_batch_tokens
     fits = max(1, budget // longest_prompt)  # requests of the longest prompt that one step can prefill
-    if peak is None or peak >= seats or fits >= seats:
+    if peak is None or peak >= seats or fits >= seats or peak < fits:  # peak < fits: arrivals kept them small
         return ""
     unlimited = ", not hf-generate's" if any(r.mode == "hf-generate" for r in results) else ""
     return (
-        f"note: labkit-static's batches held at most {peak} requests, of {seats} seats: a static batch's prompts,"
+        f"note: labkit-static's batches held at most {peak} requests of {seats} seats: a static batch's prompts,"
         f" padded to the longest, must prefill in one step of --max-batch-tokens ({budget}), which holds {fits}"
         f" of the longest ({longest_prompt} tokens). That budget limits its batches{unlimited}; raise it for"
         " bigger ones."
@@ -343,7 +344,7 @@ def prepare(
                 args.num_requests,
                 seed=args.seed,
                 rate=rate,
-                burstiness=args.burstiness,
+                burstiness=args.burstiness if rate is not None else 1.0,  # a sweep's offline point has no gaps
                 special_ids=special_token_ids(model, tokenizer),
                 **prompt_source,
                 **options,

@@ -262,25 +262,18 @@ def test_shortest_first_counts_max_new_tokens():
     assert list(queue) == [long_prompt, long_output]
 
 
-def test_priority_displaces_when_the_victims_free_exactly_the_blocks_needed():
-    scheduler = priority_scheduler(block_size=4, num_blocks=2, max_batch_tokens=16, max_num_seqs=4)
+@pytest.mark.parametrize(
+    "settings",
+    [{"max_batch_tokens": 16}, {"max_batch_tokens": 8, "chunked_prefill": False}],
+    ids=["victims-free-exactly-the-blocks", "unchunked-prompt-exactly-the-budget"],
+)
+def test_priority_displaces_at_the_exact_limit(settings):
+    """The better request needs exactly the two blocks its victim holds (and, unchunked, exactly the budget)."""
+    scheduler = priority_scheduler(block_size=4, num_blocks=2, max_num_seqs=4, **settings)
     low = Request(0, [1] * 5, SamplingParams(max_new_tokens=4, priority=2))
     scheduler.add(low)
     commit_step(scheduler)  # low holds both blocks
-    high = Request(1, [2] * 8, SamplingParams(max_new_tokens=1, priority=0))  # needs both blocks
-    scheduler.add(high)
-    out = commit_step(scheduler)
-    assert out.preempted == [low] and out.admitted == [high]
-
-
-def test_priority_unchunked_displaces_for_a_prompt_exactly_the_budget():
-    scheduler = priority_scheduler(
-        block_size=4, num_blocks=2, max_batch_tokens=8, max_num_seqs=4, chunked_prefill=False
-    )
-    low = Request(0, [1] * 5, SamplingParams(max_new_tokens=4, priority=2))
-    scheduler.add(low)
-    commit_step(scheduler)
-    high = Request(1, [2] * 8, SamplingParams(max_new_tokens=1, priority=0))  # 8 tokens == max_batch_tokens
+    high = Request(1, [2] * 8, SamplingParams(max_new_tokens=1, priority=0))  # 8 tokens: both blocks
     scheduler.add(high)
     out = commit_step(scheduler)
     assert out.preempted == [low] and out.admitted == [high]

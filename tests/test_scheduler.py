@@ -97,6 +97,7 @@ def test_static_batch_waste_accounting():
     assert [sum(w.num_tokens for w in r.scheduled) for r in reports] == [2 + 4 + 3, 2, 1, 1]
     assert sorted((w.request_id, w.start, w.num_tokens) for w in reports[0].padding) == [(a, 2, 2), (c, 3, 1)]
     assert [w.request_id for w in reports[2].padding] == [a, c]
+    assert [(r.batch_size, r.padded_batch_size) for r in reports] == [(3, 3), (2, 3), (1, 3), (1, 1)]
     assert [[w.is_prefill for w in r.scheduled] for r in reports] == [[True] * 3, [False] * 2, [False], [True]]
     # Each member reserves prompt + max_new_tokens - 1 slots up front (the last token is never fed back):
     # A 2 slots -> 1 block, B 6 slots -> 2 blocks, C 4 slots -> 1 block.

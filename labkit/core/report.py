@@ -73,6 +73,17 @@ class StepReport:
         return sum(1 for w in self.scheduled if w.token is not None)
 
     @property
+    def batch_size(self) -> int:
+        """Requests the step computed tokens for: the batch the scheduler formed (a request appears once)."""
+        return len(self.scheduled)
+
+    @property
+    def padded_batch_size(self) -> int:
+        """Requests the model computed rows for, counting a static batch's finished members that it still pads:
+        the batch the hardware sees. Equal to ``batch_size`` when nothing is padded."""
+        return len({w.request_id for w in (*self.scheduled, *self.padding)})
+
+    @property
     def wasted_slots(self) -> int:
         """Token rows computed only to keep a static batch's shape (padding and finished members)."""
         return sum(w.num_tokens for w in self.padding)
@@ -296,7 +307,7 @@ def summarize_run(
     generated = sum(r.num_generated_tokens for r in reports)
     start, end = run_span(reports, arrival_times)
     duration = end - start
-    busy = [len(r.scheduled) for r in reports if r.scheduled]
+    busy = [r.batch_size for r in reports if r.scheduled]
     return RunSummary(
         label=label,
         device=device,

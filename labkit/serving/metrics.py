@@ -230,7 +230,7 @@ class RunMetrics:
     goodput: float | None = None  # requests per second that met every target
     slo_attainment: float | None = None  # fraction of requests that met every target
     num_steps: int | None = None
-    peak_batch_size: int | None = None  # most requests one step computed (a static batch's padded rows included)
+    peak_batch_size: int | None = None  # most requests one step computed rows for (StepReport.padded_batch_size)
     peak_kv_usage: float | None = None
     wasted_slots: int | None = None
     peak_gpu_memory_bytes: int | None = None
@@ -292,7 +292,7 @@ def run_metrics(
         goodput=goodput,
         slo_attainment=attainment,
         num_steps=len(reports) if reports else None,
-        peak_batch_size=max((len({w.request_id for w in (*r.scheduled, *r.padding)}) for r in reports), default=None),
+        peak_batch_size=max((r.padded_batch_size for r in reports), default=None),
         peak_kv_usage=max(r.kv_usage for r in reports) if reports else None,
         wasted_slots=sum(r.wasted_slots for r in reports) if reports else None,
         peak_gpu_memory_bytes=peak_gpu_memory_bytes,

@@ -49,7 +49,7 @@ def throughput_series(reports: list[StepReport], window: int = 8) -> dict[str, l
         series["time"].append(report.end_time - origin)
         series["tokens_per_s"].append((generated[-1] - generated[first]) / elapsed if elapsed > 0 else 0.0)
         series["kv_usage"].append(100 * report.kv_usage)
-        series["batch_size"].append(len({w.request_id for w in report.scheduled}))
+        series["batch_size"].append(report.batch_size)
     return series
 
 

@@ -55,6 +55,7 @@ from rich.table import Table
 from torch.autograd import DeviceType
 
 from labkit import Engine, EngineConfig, SamplingParams, StepReport
+from labkit.core.blocks import blocks_for
 from labkit.models.random import random_model
 from labkit.runtime.runner import device_name, interpreter_runs_kernels, kv_bytes_per_block
 from labkit.serving.baselines import TimeLimitReached, TransformersContinuous, padded_generate
@@ -299,10 +300,10 @@ def check_kernel(settings: Settings, part: dict[str, Any]) -> bool:
         else:
             specs = [(rng.randint(1, longest), 1) for _ in range(3)]
         num_kv = 2
-        num_blocks = sum(-(-(c + n) // block_size) for c, n in specs) + 1
+        num_blocks = sum(blocks_for(c + n, block_size) for c, n in specs) + 1
         free = list(range(num_blocks))
         rng.shuffle(free)
-        segments = [Segment(c, n, [free.pop() for _ in range(-(-(c + n) // block_size))]) for c, n in specs]
+        segments = [Segment(c, n, [free.pop() for _ in range(blocks_for(c + n, block_size))]) for c, n in specs]
         tokens = sum(n for _, n in specs)
         reference = PagedKVCache(1, num_blocks, block_size, num_kv, head_dim, torch.float32, device)
         cache = PagedKVCache(1, num_blocks, block_size, num_kv, head_dim, dtype, device)
@@ -548,7 +549,7 @@ def kernel_shapes(model: torch.nn.Module, settings: Settings, bandwidth: float, 
     num_heads, num_kv_heads = text.num_attention_heads, text.num_key_value_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
     batch, context, block_size = max(settings.decode_batches), settings.decode_context, 16
-    blocks_per_seq = -(-context // block_size)
+    blocks_per_seq = blocks_for(context, block_size)
     cache = PagedKVCache(1, batch * blocks_per_seq, block_size, num_kv_heads, head_dim, dtype, device)
     key_cache, value_cache = cache.parts[0]
     cache.data.normal_()

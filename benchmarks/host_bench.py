@@ -41,6 +41,7 @@ from rich.console import Console
 from rich.table import Table
 
 from labkit import Engine, EngineConfig, SamplingParams
+from labkit.core.blocks import blocks_for
 from labkit.models.random import random_model
 from labkit.runtime.runner import ModelRunner
 from labkit.serving.metrics import frozen_heap
@@ -92,7 +93,7 @@ def timed(spent: list[float], function: Callable[..., Any]) -> Callable[..., Any
 def decode_steps(batch: int, context: int, steps: int, repeats: int, async_scheduling: bool) -> dict[str, float]:
     """Median host time per decode step and per phase, best of ``repeats`` runs of ``steps`` steps."""
     params = SamplingParams(max_new_tokens=steps * repeats + 8, ignore_eos=True)
-    blocks_per_request = -(-(context + params.max_new_tokens) // 16)  # no request is ever preempted
+    blocks_per_request = blocks_for(context + params.max_new_tokens, 16)  # no request is ever preempted
     engine = engine_for(batch, batch * blocks_per_request, async_scheduling)
     for i in range(batch):
         engine.add_request([3 + (7 * i + j) % 500 for j in range(context)], params)

@@ -27,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from labkit import Engine, EngineConfig, SamplingParams
-from labkit.core.blocks import BlockAllocator
+from labkit.core.blocks import BlockAllocator, blocks_for
 from labkit.core.config import SCHEDULING
 from labkit.core.request import PENDING_TOKEN, Request
 from labkit.core.scheduler import Scheduler, SchedulerOutput
@@ -109,7 +109,7 @@ def workloads(draw: st.DrawFn) -> dict[str, Any]:
         "params": params,
         "options": {
             "block_size": block_size,
-            "num_blocks": -(-largest // block_size) + draw(st.integers(0, 12)),
+            "num_blocks": blocks_for(largest, block_size) + draw(st.integers(0, 12)),
             "max_batch_tokens": max_batch_tokens,
             "max_num_seqs": draw(st.integers(1, 8)),
             "chunked_prefill": chunked_prefill,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from labkit.core.blocks import BlockAllocator, BlockEvent, NoFreeBlocksError
+from labkit.core.blocks import BlockAllocator, BlockEvent, NoFreeBlocksError, blocks_for
 
 
 def test_allocate_rounds_tokens_up_to_whole_blocks():
@@ -15,6 +15,13 @@ def test_allocate_rounds_tokens_up_to_whole_blocks():
     assert allocator.allocate("a", 8) == []
     assert allocator.allocate("a", 9) == [2]
     assert allocator.block_tables["a"] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_blocks_for_is_the_fewest_blocks_that_hold_the_tokens(block_size):
+    for num_tokens in range(4 * block_size + 2):
+        blocks = blocks_for(num_tokens, block_size)
+        assert (blocks - 1) * block_size < num_tokens <= blocks * block_size or num_tokens == blocks == 0
 
 
 def test_blocks_needed_counts_only_missing_blocks():

@@ -21,7 +21,7 @@ import labkit.exercises.framework as framework
 from labkit import Engine, EngineConfig, SamplingParams
 from labkit.cli import main
 from labkit.core import prefix_cache
-from labkit.core.blocks import BlockAllocator, BlockEvent, NoFreeBlocksError
+from labkit.core.blocks import BlockAllocator, BlockEvent, NoFreeBlocksError, blocks_for
 from labkit.core.prefix_cache import PrefixCache, PrefixMatch
 from labkit.core.request import RequestState
 from labkit.core.scheduler import Scheduler, SchedulerOutput
@@ -1110,7 +1110,7 @@ def written_out(q, k, v, table, context_len, scale, *, visible=operator.le, soft
     heads, queries, _ = q.shape
     block_size = k.shape[2]
     device = q.device if on_device else None  # None: torch's default device, the CPU
-    blocks = torch.tensor(list(table[: -(-context_len // block_size)]), device=device)
+    blocks = torch.tensor(list(table[: blocks_for(context_len, block_size)]), device=device)
     keys = k[:, blocks].flatten(1, 2)[:, :context_len].repeat_interleave(heads // k.shape[0], 0).float()
     values = v[:, blocks].flatten(1, 2)[:, :context_len].repeat_interleave(heads // k.shape[0], 0).float()
     scores = q.float() @ keys.transpose(1, 2) * scale
@@ -1122,7 +1122,7 @@ def written_out(q, k, v, table, context_len, scale, *, visible=operator.le, soft
 def sdpa_is_causal(q, k, v, table, context_len, scale):
     """F.scaled_dot_product_attention(is_causal=True): its mask is aligned to the top left, wrong when Q < K."""
     heads, block_size = q.shape[0], k.shape[2]
-    blocks = torch.tensor(list(table[: -(-context_len // block_size)]))
+    blocks = torch.tensor(list(table[: blocks_for(context_len, block_size)]))
     keys, values = (
         c[:, blocks].flatten(1, 2)[:, :context_len].repeat_interleave(heads // k.shape[0], 0) for c in (k, v)
     )
@@ -1138,7 +1138,7 @@ def sorted_blocks(q, k, v, table, context_len, scale):
 
 
 def whole_last_block(q, k, v, table, context_len, scale):
-    return paged_attention(q, k, v, table, -(-context_len // k.shape[2]) * k.shape[2], scale)
+    return paged_attention(q, k, v, table, blocks_for(context_len, k.shape[2]) * k.shape[2], scale)
 
 
 def every_block_in_table(q, k, v, table, context_len, scale):

@@ -24,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from labkit import Engine, EngineConfig, SamplingParams
+from labkit.core.blocks import blocks_for
 from labkit.core.config import SCHEDULING
 
 ARCHS = {"llama": {}, "qwen3": {}, "mistral": {"sliding_window": 7}}
@@ -172,7 +173,7 @@ def test_random_feature_combinations_match_generate(models: dict, reference: Any
         )
     options = case["options"]
     block_size = options["block_size"]
-    largest = max(-(-(len(p) + q.max_new_tokens - 1) // block_size) for p, q in zip(prompts, params, strict=True))
+    largest = max(blocks_for(len(p) + q.max_new_tokens - 1, block_size) for p, q in zip(prompts, params, strict=True))
     config = EngineConfig(num_blocks=largest + case["extra_blocks"], device="cpu", **options)
     saved = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = eos  # the engine reads the model's EOS when it is built

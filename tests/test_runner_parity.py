@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from labkit import Engine, EngineConfig, SamplingParams
+from labkit.core.blocks import blocks_for
 
 ARCHS = {"llama": {}, "qwen2": {}, "qwen3": {}, "mistral": {"sliding_window": 48}}
 PROMPT_LENGTHS = (1, 6, 16, 17, 40, 129, 300)
@@ -83,7 +84,7 @@ def test_greedy_matches_generate(case, block_size, policy, chunked_prefill):
 @pytest.mark.parametrize("block_size", [1, 7])
 def test_greedy_matches_generate_through_preemptions(case, chunked_prefill, block_size):
     # Less room than the prompts alone need: running requests must evict each other to grow.
-    num_blocks = int(0.9 * sum(-(-n // block_size) for n in CROWD_LENGTHS))
+    num_blocks = int(0.9 * sum(blocks_for(n, block_size) for n in CROWD_LENGTHS))
     config = EngineConfig(
         block_size=block_size,
         num_blocks=num_blocks,

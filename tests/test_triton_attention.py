@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from labkit import Engine, EngineConfig, SamplingParams
+from labkit.core.blocks import blocks_for
 from labkit.models.random import random_model
 from labkit.runtime import triton_attention
 from labkit.runtime.attention import PagedKVCache, Segment, build_paged_batch, paged_attention_forward
@@ -48,7 +49,7 @@ def random_step(rng: random.Random, specs: list[tuple[int, int]], block_size: in
     rng.shuffle(free)
     segments = []
     for cached, new in specs:
-        used = -(-(cached + new) // block_size)
+        used = blocks_for(cached + new, block_size)
         segments.append(Segment(cached, new, [free.pop() for _ in range(used)]))
     return segments
 
@@ -67,7 +68,7 @@ def run_both(
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
     num_kv_heads = 2 if group < 8 else 1
-    num_blocks = sum(-(-(c + n) // block_size) for c, n in specs) + 3
+    num_blocks = sum(blocks_for(c + n, block_size) for c, n in specs) + 3
     segments = random_step(rng, specs, block_size, num_blocks)
     num_tokens = sum(n for _, n in specs)
     query = torch.randn(1, num_kv_heads * group, num_tokens, head_dim, generator=generator)

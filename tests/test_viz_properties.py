@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel, StepReport
+from labkit.core.blocks import blocks_for
 from labkit.core.config import SCHEDULING
 from labkit.core.request import PENDING_TOKEN
 from labkit.serving.metrics import run_metrics
@@ -75,7 +76,7 @@ def scenarios(draw: Any) -> Scenario:
     capacity = draw(st.integers(8, 40))  # tokens: a few requests fill it, so runs preempt
     config = EngineConfig(
         block_size=block_size,
-        num_blocks=max(1, -(-capacity // block_size)),
+        num_blocks=max(1, blocks_for(capacity, block_size)),
         max_batch_tokens=max_batch_tokens,
         max_num_seqs=draw(st.integers(1, min(6, max_batch_tokens))),
         policy=policy,

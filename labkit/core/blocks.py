@@ -34,6 +34,11 @@ from labkit.core.request import Request
 BLOCK_EVENT_KINDS = ("alloc", "free", "hit", "release", "cache", "evict")
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """How many blocks of ``block_size`` slots hold ``num_tokens`` tokens: the last block may be part full."""
+    return -(-num_tokens // block_size)
+
+
 class BlockEvent(NamedTuple):
     """One change to a block, as drawn by the block map. ``kind`` is one of:
 
@@ -94,7 +99,7 @@ class BlockAllocator:
     def blocks_needed(self, request_id: Hashable, num_tokens: int) -> int:
         """How many new blocks ``request_id`` needs so that its table covers ``num_tokens`` tokens."""
         have = len(self.block_tables.get(request_id, ()))
-        return max(0, -(-num_tokens // self.block_size) - have)
+        return max(0, blocks_for(num_tokens, self.block_size) - have)
 
     def can_allocate(self, request_id: Hashable, num_tokens: int, prefix: PrefixMatch | None = None) -> bool:
         """Whether :meth:`allocate` would succeed (``prefix``: the cached blocks it would start from)."""

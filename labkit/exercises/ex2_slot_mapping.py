@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from labkit.core.blocks import blocks_for
 from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing
 
 SCRATCH = 999  # the scratch slot in these cases: far from every real one
@@ -147,7 +148,7 @@ def _strategy() -> Any:
         raw = []
         for _ in range(draw(st.integers(1, 4))):
             start, num_tokens = draw(st.integers(0, 20)), draw(st.integers(1, 12))
-            num_blocks = -(-(start + num_tokens) // block_size)
+            num_blocks = blocks_for(start + num_tokens, block_size)
             table = draw(st.permutations(range(40)))[:num_blocks]
             raw.append((start, num_tokens, list(table), draw(st.booleans()) or num_tokens > 1))
         return block_size, raw

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from labkit.core.blocks import blocks_for
 from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing
 
 TOLERANCE = 1e-4
@@ -41,8 +42,8 @@ def scenario(
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    head_dim, num_blocks = 8, 3 + 2 * -(-context_len // block_size) + reserved_blocks
-    used = -(-context_len // block_size)
+    head_dim, num_blocks = 8, 3 + 2 * blocks_for(context_len, block_size) + reserved_blocks
+    used = blocks_for(context_len, block_size)
     table = torch.randperm(num_blocks, generator=gen)[: used + reserved_blocks].tolist()
     keys = torch.randn(num_kv_heads, context_len, head_dim, generator=gen)
     values = torch.randn(num_kv_heads, context_len, head_dim, generator=gen)
@@ -102,7 +103,7 @@ def gather(s: dict[str, Any], table: Sequence[int], length: int) -> dict[str, An
     block_size = s["key_cache"].shape[2]
     if length > len(table) * block_size:
         raise IndexError(f"position {length - 1} is past the table's {len(table)} blocks")
-    blocks = list(table)[: -(-length // block_size)]
+    blocks = list(table)[: blocks_for(length, block_size)]
     keys = s["key_cache"][:, blocks].flatten(1, 2)[:, :length]
     return dict(keys=keys, values=s["value_cache"][:, blocks].flatten(1, 2)[:, :length], context_len=length)
 
@@ -132,7 +133,7 @@ def _context(s: dict[str, Any]) -> int:
 def _context_blocks(s: dict[str, Any]) -> int:
     """The positions in the blocks that hold the context: every slot of its last block included."""
     block_size = s["key_cache"].shape[2]
-    return -(-s["context_len"] // block_size) * block_size
+    return blocks_for(s["context_len"], block_size) * block_size
 
 
 def _whole_table(s: dict[str, Any]) -> int:

@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from labkit.core.blocks import blocks_for
+
 ATTENTION_NAME = "labkit_paged"
 
 # Splitting decode rows into two groups costs a second pass through the attention calls (tens of
@@ -412,7 +414,7 @@ def _split_by_context(decodes: list[tuple[int, Segment]], block_size: int) -> li
     if len(decodes) < 2:
         return [decodes]
     members = sorted(decodes, key=lambda member: context_length(member[1]))
-    blocks = [-(-context_length(segment) // block_size) for _, segment in members]
+    blocks = [blocks_for(context_length(segment), block_size) for _, segment in members]
     padded, split = min((i * blocks[i - 1] + (len(blocks) - i) * blocks[-1], i) for i in range(1, len(blocks)))
     whole = len(blocks) * blocks[-1]
     if padded > 0.75 * whole or whole - padded < MIN_SPLIT_SAVING_BLOCKS:
@@ -422,7 +424,7 @@ def _split_by_context(decodes: list[tuple[int, Segment]], block_size: int) -> li
 
 def table_width(contexts: Sequence[int], block_size: int) -> int:
     """Blocks per row of a step's padded block tables: enough for its longest context (at least one)."""
-    return max(1, -(-max(contexts) // block_size))
+    return max(1, blocks_for(max(contexts), block_size))
 
 
 def padded_block_tables(segments: Sequence[Segment], contexts: Sequence[int], block_size: int) -> tuple[list[int], int]:
@@ -434,7 +436,7 @@ def padded_block_tables(segments: Sequence[Segment], contexts: Sequence[int], bl
     width = table_width(contexts, block_size)
     block_ids: list[int] = []
     for segment, context in zip(segments, contexts, strict=True):
-        used = -(-context // block_size)
+        used = blocks_for(context, block_size)
         block_ids += segment.block_table[:used]
         block_ids += [0] * (width - used)
     return block_ids, width
@@ -473,7 +475,7 @@ class BlockTableRows:
             known = rows.get(id(table))
             if known is None or known[0] != table:
                 known = rows[id(table)] = (list(table), array("i", table).tobytes())
-            used = 4 * -(-context // block_size)
+            used = 4 * blocks_for(context, block_size)
             # A decode's table covers exactly its context: the whole row, with no slicing.
             flat += known[1] if used == len(known[1]) else known[1][:used]
             if used < len(padding):
@@ -603,7 +605,7 @@ def paged_attention(
     """
     num_heads, num_queries, _ = query.shape
     num_kv_heads, _, block_size, head_dim = key_cache.shape
-    blocks = torch.as_tensor(list(block_table[: -(-context_len // block_size)]), device=key_cache.device)
+    blocks = torch.as_tensor(list(block_table[: blocks_for(context_len, block_size)]), device=key_cache.device)
     keys = key_cache[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :context_len]
     values = value_cache[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :context_len]
     keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=0)  # (H, context, D)

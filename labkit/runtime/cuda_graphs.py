@@ -35,6 +35,7 @@ from collections.abc import Callable, Hashable, Mapping
 
 import torch
 
+from labkit.core.blocks import blocks_for
 from labkit.core.request import PENDING_TOKEN, Request
 from labkit.core.scheduler import SchedulerOutput
 from labkit.runtime.attention import BlockTableRows, PagedKVCache
@@ -131,7 +132,7 @@ class DecodeGraphs:
         if any(chunk.num_tokens != 1 for chunk in (*chunks, *padding)):
             return False
         longest = max(chunk.start for chunk in chunks) + 1
-        return -(-longest // self.cache.block_size) <= self.width
+        return blocks_for(longest, self.cache.block_size) <= self.width
 
     def run(
         self,

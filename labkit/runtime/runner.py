@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 from packaging.version import Version
 
-from labkit.core.blocks import BlockAllocator
+from labkit.core.blocks import BlockAllocator, blocks_for
 from labkit.core.config import EngineConfig
 from labkit.core.request import PENDING_TOKEN, Request
 from labkit.core.scheduler import SchedulerOutput
@@ -185,7 +185,7 @@ class ModelRunner:
                     from labkit.runtime.cuda_graphs import DecodeGraphs
 
                     with torch.inference_mode():
-                        max_blocks = -(-self.max_model_len // block_size)
+                        max_blocks = blocks_for(self.max_model_len, block_size)
                         self.graphs = DecodeGraphs(
                             self._forward, self.cache, self.config.max_num_seqs, max_blocks, self.uploader.table_rows
                         )
@@ -372,7 +372,7 @@ class ModelRunner:
         free, _ = torch.cuda.mem_get_info(self.device)
         budget = int(CUDA_MEMORY_FRACTION * (free - activations))
         if self.attention_backend == "torch":  # Triton reads the blocks in place
-            blocks_per_request = -(-self.max_model_len // block_size)
+            blocks_per_request = blocks_for(self.max_model_len, block_size)
             return blocks_beside_gather(
                 budget, per_block, self.config.max_num_seqs, self.num_layers, blocks_per_request
             )
@@ -383,7 +383,7 @@ class ModelRunner:
         """Run one step (full-size by default) on a throwaway cache; return the peak memory it needed beyond it."""
         num_tokens = min(num_tokens or self.config.max_batch_tokens, self.config.max_batch_tokens, self.max_model_len)
         num_rows = min(self.config.max_num_seqs, num_tokens)
-        num_blocks = -(-num_tokens // block_size)
+        num_blocks = blocks_for(num_tokens, block_size)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         baseline = torch.cuda.memory_allocated(self.device)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
+from labkit.core.blocks import blocks_for
 from labkit.core.config import EngineConfig
 from labkit.core.engine import Engine
 from labkit.core.request import SamplingParams
@@ -208,7 +209,7 @@ def vllm_max_model_len(workload: Sequence[WorkloadRequest], block_size: int, mod
     may hold. The workload needs far less.
     """
     longest = max(len(r.prompt) + r.max_new_tokens for r in workload)
-    return min(-(-longest // block_size) * block_size, model_len)
+    return min(blocks_for(longest, block_size) * block_size, model_len)
 
 
 def vllm_cache_bytes(setup: BenchSetup) -> int | None:

@@ -266,6 +266,43 @@ def test_an_interrupted_token_read_is_read_again() -> None:
     check_reports(reports, outputs, engine)
 
 
+def test_an_abort_after_an_interrupted_read_is_reported_after_the_admission() -> None:
+    """A failed token read leaves two steps in flight; aborting a request the newer one admitted is reported with
+    that step (or later), so no report frees a block before the report that allocates it."""
+    from labkit.core.sim import SimRunner
+
+    class Interrupted(SimRunner):
+        fail = False
+
+        def collect(self, launched: list[int]) -> list[int]:
+            if Interrupted.fail:
+                Interrupted.fail = False
+                raise KeyboardInterrupt
+            return super().collect(launched)
+
+    class Model(SimulatedModel):
+        def make_runner(self, config: EngineConfig) -> SimRunner:
+            return Interrupted(self)
+
+    config = EngineConfig(block_size=4, num_blocks=64, max_batch_tokens=64, async_scheduling=True)
+    engine = Engine(Model(), config)
+    reports: list = []
+    engine.step_listeners.append(reports.append)
+    params = SamplingParams(max_new_tokens=10)
+    first = engine.add_request([5, 6, 7, 8], params)
+    engine.step()  # launches steps 1 and 2, reports 1
+    late = engine.add_request([9, 10, 11], params)
+    Interrupted.fail = True
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()  # launches step 3, which admits the late request; reading step 2's tokens fails
+    engine.abort(late)
+    step_to_the_end(engine, KeyboardInterrupt)
+    admitted = next(r.step for r in reports if late in r.admitted)
+    assert next(r.step for r in reports if late in r.finished) >= admitted
+    outputs = [(engine.requests[i].output_token_ids, engine.requests[i].finish_reason) for i in (first, late)]
+    check_reports(reports, outputs, engine)
+
+
 @pytest.mark.parametrize("cost", ["cpu", "h200-graphs"])
 def test_tokens_are_stamped_when_their_step_ended_not_when_the_next_one_did(cost: str) -> None:
     """The simulator computes a step's tokens at launch: they are ready then, before the next step runs."""

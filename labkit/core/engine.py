@@ -311,8 +311,14 @@ class Engine:
     def _step_ahead(self) -> StepReport:
         """Async scheduling: keep two steps launched, then finish the older one."""
         ahead = self._ahead
-        if ahead and self._aborted:  # what the aborts gave back goes to the report that lists them, as without
-            self._note_given_back(ahead[0])  # async scheduling: not to the next step's, which may take those blocks
+        if ahead and self._aborted:
+            # The aborts, and the blocks they gave back, go to the report of the newest step launched: as without
+            # async scheduling, not to a later step's, which may take those blocks, and not to an older one's when
+            # two are in flight (after a call that failed reading tokens), which would report them before the
+            # newer step's report admits the request and takes its blocks.
+            self._note_given_back(ahead[-1])
+            ahead[-1].finished[:0] = self._aborted
+            self._aborted = []
         # Keep two steps in flight. The first may be empty, so that there is a step to report; after an empty one,
         # launch nothing more (it had nothing to run), and stop when there is nothing to launch.
         while len(ahead) < 2 and not (ahead and ahead[-1].output.is_empty):

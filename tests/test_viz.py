@@ -92,6 +92,12 @@ def run(engine: Engine, *, abort: bool = False, on_step=None, seed: int = 0) -> 
             on_step()
 
 
+def finish(engine: Engine) -> None:
+    """Step until the requests added so far have finished."""
+    while engine.has_unfinished():
+        engine.step()
+
+
 def allocator_cells(engine: Engine) -> list[tuple[int, int | None, int, int]]:
     """(block, owner, filled, refs) straight from the allocator and the requests' computed tokens."""
     alloc = engine.allocator
@@ -710,6 +716,67 @@ def test_throughput_draws_per_step_values_as_steps_on_a_grid() -> None:
     fig = LiveThroughput(recorder).figure()
     assert [trace.line.shape for trace in fig.data] == ["linear", "vh", "vh"]
     assert all(axis.showgrid and axis.gridcolor != "white" for axis in (fig.layout.yaxis, fig.layout.yaxis3))
+
+
+def test_an_idle_gap_is_drawn_empty_and_the_rate_after_it_counts_no_idle_time() -> None:
+    """A batch of one was drawn over the nine seconds the engine waited for its next request, and the rate after
+    the gap was averaged over them."""
+    engine = Engine(SimulatedModel(), EngineConfig(block_size=4, num_blocks=64, max_batch_tokens=64))
+    recorder = record(engine)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    for _ in range(4):
+        engine.add_request(list(range(2, 10)), params)
+    finish(engine)
+    before = len(recorder.reports)
+    engine.runner.wait_until(10.0)
+    engine.add_request(list(range(2, 10)), params)
+    finish(engine)
+    last_busy, first_back = recorder.reports[before - 1], recorder.reports[before]
+    assert first_back.start_time > last_busy.end_time + 5  # the gap this test is about
+    series = throughput_series(recorder.reports)
+    assert series["tokens_per_s"][before] == pytest.approx(first_back.num_generated_tokens / first_back.duration)
+    tokens, kv, batch = LiveThroughput(recorder).figure().data
+    gap = [i for i, t in enumerate(batch.x) if last_busy.end_time <= t <= first_back.start_time]
+    end, start = last_busy.end_time, first_back.start_time  # the run starts at 0: its first arrival
+    assert [(batch.x[i], batch.y[i]) for i in gap] == [(end, last_busy.batch_size), (end, 0), (start, 0)]
+    assert [tokens.y[i] for i in gap[1:]] == [0, 0]
+    left = 100 * (1 - last_busy.num_free_blocks / last_busy.num_blocks)  # the cache as the last step left it
+    assert [kv.y[i] for i in gap[1:]] == [left, left]
+    assert batch.y[gap[-1] + 1] == first_back.batch_size
+
+
+def test_a_recorder_attached_after_an_earlier_run_shows_only_its_own_requests() -> None:
+    """The earlier run's finished requests were shown waiting for the whole run, and the run timed from them."""
+    engine = make_engine()
+    for _ in range(2):
+        engine.add_request([2, 3, 4, 5], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    finish(engine)  # an earlier run, not released
+    engine.runner.wait_until(5.0)
+    recorder = record(engine)
+    new = [engine.add_request([6, 7, 8], SamplingParams(max_new_tokens=4, ignore_eos=True)) for _ in range(2)]
+    finish(engine)
+    assert list(recorder.requests) == new
+    assert {s.request_id for s in request_spans(recorder)} == set(new)
+    metrics = run_metrics([engine.release(i) for i in new], recorder.reports)
+    assert LiveThroughput(recorder).summary()[0].duration == pytest.approx(metrics.duration)
+
+
+def test_a_row_dropped_under_async_scheduling_counts_all_its_tokens_as_padding() -> None:
+    """A prefill chunk launched before its request's abort was known is drawn as that many padding rows, not 1."""
+    config = EngineConfig(block_size=4, num_blocks=32, max_batch_tokens=8, max_num_seqs=2, async_scheduling=True)
+    engine = Engine(SimulatedModel(), config)
+    recorder = record(engine)
+    aborted = engine.add_request(list(range(2, 16)), SamplingParams(max_new_tokens=4))
+    engine.step()
+    engine.abort(aborted)
+    finish(engine)
+    wasted = sum(r.wasted_slots for r in recorder.reports)
+    assert wasted > 1
+    padding = [s for s in request_spans(recorder) if s.phase == "padding"]
+    assert sum(s.num_tokens for s in padding) == wasted
+    finished = next(s for s in request_spans(recorder) if s.phase == "finished")
+    assert finished.reason == "abort"
+    assert "finished (abort)" in Timeline(recorder).figure().data[-1].hovertext[0]
 
 
 def test_timeline_figure_stacks_runs_on_one_axis() -> None:

@@ -47,6 +47,7 @@ class Recorder:
         # its KV cache) alive, and an engine and its recorder form no cycle for the garbage collector to find.
         self._recorded: weakref.ref[Any] | None = None
         self._attached = False
+        self._earlier: set[int] = set()  # requests that had finished when the recorder attached: not this run's
 
     # ------------------------------------------------------------------ live recording
     def attach(self, engine: Any) -> Recorder:
@@ -70,7 +71,7 @@ class Recorder:
             cached_blocks_at_start=getattr(engine, "num_cached_blocks", 0),
         )
         self._recorded, self._attached = weakref.ref(engine), True
-        self._note_requests(engine)
+        self._note_requests(engine, attaching=True)
         engine.step_listeners.append(self)
         return self
 
@@ -94,16 +95,20 @@ class Recorder:
         """The engine attached now, or None."""
         return self._recorded() if self._attached and self._recorded is not None else None
 
-    def _note_requests(self, engine: Any) -> None:
+    def _note_requests(self, engine: Any, *, attaching: bool = False) -> None:
         """Note the requests added since the last step: the newest come last in ``engine.requests``, so the walk
-        back from its end stops at the first one already noted (a run of many requests costs no more per step)."""
+        back from its end stops at the first one already seen (a run of many requests costs no more per step).
+        On ``attaching``, a request that has finished already belongs to an earlier run, and is left out."""
         new = []
         for request_id in reversed(engine.requests):
-            if request_id in self.requests:
+            if request_id in self.requests or request_id in self._earlier:
                 break
             new.append(request_id)
         for request_id in reversed(new):
             request = engine.requests[request_id]
+            if attaching and request.is_finished:
+                self._earlier.add(request_id)
+                continue
             self.requests[request_id] = RequestInfo(
                 request.num_prompt_tokens, request.params.max_new_tokens, request.metrics.arrival_time
             )

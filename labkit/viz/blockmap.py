@@ -1,8 +1,9 @@
 """BlockMap: every KV block of the paged cache as one cell, coloured by the request that owns it.
 
 Watching the grid is the quickest way to see paging at work: a request grows one block at a time, its
-blocks need not be neighbours, a finished request's blocks turn grey at once and are reused in the next
-step, and under the static policy whole rows of blocks sit reserved (pale) for tokens never generated.
+blocks need not be neighbours, a finished request's blocks turn grey at once (under async scheduling, once
+the step launched before its finish was known has run) and are reused in the next step, and under the
+static policy whole rows of blocks sit reserved (pale) for tokens never generated.
 Each cell's colour is its owner's (stable per request); its shade says how many of the block's slots
 hold keys and values. With prefix caching, a block shared by several requests is drawn dark, labelled
 with its first owner and how many more hold it (hover lists them all), and a freed block that still holds

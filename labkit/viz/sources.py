@@ -12,6 +12,12 @@ from typing import Any
 from labkit.core.trace import Recorder, record
 
 
+def run_origin(recorder: Recorder) -> float:
+    """Where a run's time axis starts: its first step or its first request's arrival, whichever came first."""
+    times = [r.start_time for r in recorder.reports[:1]] + [i.arrival_time for i in recorder.requests.values()]
+    return min(times, default=0.0)
+
+
 def as_recorders(runs: Mapping[Any, Any], widget: str) -> dict[str, Recorder]:
     """``{label: source}`` as ``{label: Recorder}``; an error in one run says which run (its label) it is."""
     if not runs:

@@ -1,9 +1,9 @@
 """LiveThroughput: tokens per second, KV-cache use and batch size while runs are in progress, side by side.
 
 Run the same workload under continuous and static batching and the top plot shows why servers batch
-continuously: static throughput sags as a batch's members finish and their rows sit idle, then drops
-to nothing between batches, while continuous batching refills the freed rows at once. The summary
-table underneath gives the ratios.
+continuously: static throughput sags as a batch's members finish and their rows sit idle, until the last
+member is done and the next batch starts, while continuous batching refills the freed rows at once. The
+summary table underneath gives the ratios.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from labkit.core.trace import Recorder
 from labkit.viz._compat import FigureView, Throttle
 from labkit.viz._display import GRID_COLOR, Displayable
 from labkit.viz.blockmap import PALETTE
-from labkit.viz.sources import as_recorders
+from labkit.viz.sources import as_recorders, run_origin
 
 RUN_COLORS = {"continuous": "#4c78a8", "static": "#f58518"}
 SERIES = ("tokens_per_s", "kv_usage", "batch_size")
@@ -30,27 +30,63 @@ SERIES_TITLES = ("generated tokens/s", "KV cache in use (%)", "requests in the s
 LINE_SHAPES = {"kv_usage": "vh", "batch_size": "vh"}
 
 
-def throughput_series(reports: list[StepReport], window: int = 8) -> dict[str, list[float]]:
-    """Per step: time since the run's start (at the step's end), tokens/s over the last ``window`` steps,
-    KV usage in percent, and how many requests the step computed."""
+def throughput_series(
+    reports: list[StepReport], window: int = 8, origin: float | None = None
+) -> dict[str, list[float]]:
+    """Per step: time since ``origin`` (default: the first step's start) at the step's end, tokens/s over the
+    last ``window`` steps, KV usage in percent, and how many requests the step computed.
+
+    The window never reaches back across an idle gap (see :func:`idle_before`): a rate over the seconds the engine
+    waited for requests would mix them into the rate at which it served.
+    """
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be a positive int, got {window!r}")
     series: dict[str, list[float]] = {"time": [], **{name: [] for name in SERIES}}
     if not reports:
         return series
-    origin = reports[0].start_time
+    origin = reports[0].start_time if origin is None else origin
     generated = [0]
+    served_since = 0  # the first step after the last idle gap
     for i, report in enumerate(reports):
         if not isinstance(report, StepReport):
             raise TypeError(f"reports must be StepReports, got {type(report).__name__} at index {i}")
+        if idle_before(reports, i):
+            served_since = i
         generated.append(generated[-1] + report.num_generated_tokens)
-        first = max(0, i - window + 1)
+        first = max(served_since, i - window + 1)
         elapsed = report.end_time - reports[first].start_time
         series["time"].append(report.end_time - origin)
         series["tokens_per_s"].append((generated[-1] - generated[first]) / elapsed if elapsed > 0 else 0.0)
         series["kv_usage"].append(100 * report.kv_usage)
         series["batch_size"].append(report.batch_size)
     return series
+
+
+def idle_before(reports: list[StepReport], index: int) -> bool:
+    """Whether the engine sat idle before step ``reports[index]``: the step before it left nothing running or
+    waiting, and time passed until this one (an online run waiting for its next request)."""
+    if index == 0:
+        return False
+    previous = reports[index - 1]
+    return not previous.num_running and not previous.num_waiting and reports[index].start_time > previous.end_time
+
+
+def _drawn(reports: list[StepReport], series: dict[str, list[float]], origin: float) -> dict[str, list[float]]:
+    """``series`` with each idle gap drawn as what it was: two points, at its start and end, with no tokens and
+    no requests, and the KV cache as the last step left it. Without them a line would carry the next step's
+    values back over the whole gap."""
+    drawn: dict[str, list[float]] = {name: [] for name in series}
+    for i, report in enumerate(reports):
+        if idle_before(reports, i):
+            previous = reports[i - 1]
+            left = 100 * (1 - previous.num_free_blocks / previous.num_blocks) if previous.num_blocks else 0.0
+            for moment in (previous.end_time, report.start_time):
+                idle = {"time": moment - origin, "tokens_per_s": 0.0, "kv_usage": left, "batch_size": 0}
+                for name in drawn:
+                    drawn[name].append(idle[name])
+        for name in drawn:
+            drawn[name].append(series[name][i])
+    return drawn
 
 
 class LiveThroughput(Displayable):
@@ -90,8 +126,9 @@ class LiveThroughput(Displayable):
         return f"LiveThroughput({', '.join(f'{k}: {len(r.reports)} steps' for k, r in self.runs.items())})"
 
     def series(self) -> dict[str, dict[str, list[float]]]:
-        """Each run's plotted series (see :func:`throughput_series`)."""
-        return {label: throughput_series(r.reports, self.window) for label, r in self.runs.items()}
+        """Each run's series, one point per step (see :func:`throughput_series`), in seconds from its start: its
+        first request's arrival, as the summary and the Timeline time it."""
+        return {label: throughput_series(r.reports, self.window, run_origin(r)) for label, r in self.runs.items()}
 
     def summary(self) -> list[RunSummary]:
         """Each run in numbers, timed from its first request's arrival to its last finish, as ``run_metrics``."""
@@ -150,7 +187,8 @@ class LiveThroughput(Displayable):
 
     def _fill(self, fig: go.Figure) -> None:
         traces = iter(fig.data)
-        for series in self.series().values():
+        for recorder, series in zip(self.runs.values(), self.series().values(), strict=True):
+            series = _drawn(recorder.reports, series, run_origin(recorder))
             stride = max(1, -(-2 * len(series["time"]) // self.max_points))  # two points a bucket
             for name in SERIES:
                 times, values = _thinned(series["time"], series[name], stride)

@@ -15,11 +15,11 @@ from typing import Any, NamedTuple
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from labkit.core.report import StepReport
+from labkit.core.report import ScheduledWork, StepReport
 from labkit.core.trace import Recorder
 from labkit.viz._compat import FigureView, Throttle
 from labkit.viz._display import GRID_COLOR, Displayable
-from labkit.viz.sources import as_recorder, as_recorders
+from labkit.viz.sources import as_recorder, as_recorders, run_origin
 
 PHASE_COLORS = {
     "waiting": "#c7c7c7",
@@ -46,6 +46,7 @@ class Span(NamedTuple):
     end: float
     num_tokens: int = 0
     num_generated: int = 0
+    reason: str = ""  # a "finished" span's finish reason ("stop", "length", "abort")
 
 
 def request_spans(source: Any) -> list[Span]:
@@ -68,14 +69,14 @@ def request_spans(source: Any) -> list[Span]:
             generated = run[2] if phase == "decode" else 0
             spans.append(Span(request_id, phase, run[0], run[1], run[2], generated))
 
-    def extend(phase: str, request_id: int, report: StepReport, index: int) -> None:
-        run = runs[phase].get(request_id)
+    def extend(phase: str, work: ScheduledWork, report: StepReport, index: int) -> None:
+        run = runs[phase].get(work.request_id)
         if run is not None and run[3] == index - 1:
             run[1], run[3] = report.end_time, index
-            run[2] += 1
+            run[2] += work.num_tokens
         else:
-            close(phase, request_id)
-            runs[phase][request_id] = [report.start_time, report.end_time, 1, index]
+            close(phase, work.request_id)
+            runs[phase][work.request_id] = [report.start_time, report.end_time, work.num_tokens, index]
 
     def queued(request_id: int, end: float) -> None:
         """The request leaves the queue at ``end``: its bar since it arrived, or since it was preempted."""
@@ -103,16 +104,16 @@ def request_spans(source: Any) -> list[Span]:
                     Span(work.request_id, "prefill", report.start_time, report.end_time, work.num_tokens, generated)
                 )
             else:
-                extend("decode", work.request_id, report, index)
+                extend("decode", work, report, index)
         for work in report.padding:
-            if work.request_id not in scheduled:  # a finished member's dead row in a static batch
-                extend("padding", work.request_id, report, index)
-        for request_id in report.finished:
+            if work.request_id not in scheduled:  # a finished request's row: a static batch's, or one launched ahead
+                extend("padding", work, report, index)
+        for request_id, reason in report.finished.items():
             close("decode", request_id)
             if request_id in since or request_id not in admitted:  # aborted in the queue: it waited until then
                 queued(request_id, report.end_time)
             finished.add(request_id)
-            spans.append(Span(request_id, "finished", report.end_time, report.end_time))
+            spans.append(Span(request_id, "finished", report.end_time, report.end_time, reason=reason))
     for phase, open_runs in runs.items():
         for request_id in list(open_runs):
             close(phase, request_id)
@@ -186,7 +187,7 @@ class Timeline(Displayable):
         traces = iter(fig.data)
         in_legend: set[str] = set()  # each phase once, on the first trace that has any
         for label, spans in self.spans().items():
-            origin = _origin(self.runs[label])
+            origin = run_origin(self.runs[label])
             by_phase: dict[str, list[Span]] = {phase: [] for phase in PHASES}
             for span in spans:
                 by_phase[span.phase].append(span)
@@ -223,17 +224,13 @@ def _num_requests(recorder: Recorder) -> int:
     return len(ids)
 
 
-def _origin(recorder: Recorder) -> float:
-    """Where a run's time axis starts: its first step or its first arrival, whichever came first."""
-    times = [r.start_time for r in recorder.reports[:1]] + [i.arrival_time for i in recorder.requests.values()]
-    return min(times, default=0.0)
-
-
 def _hover(span: Span, origin: float) -> str:
     start, end = span.start - origin, span.end - origin
     what = {
         "prefill": f"prefill chunk of {span.num_tokens} tokens",
         "decode": f"decoding {span.num_generated} tokens",
-        "padding": f"{span.num_tokens} padding rows (finished, batch still running)",
+        "padding": f"{span.num_tokens} padding rows (computed after it had finished, thrown away)",
     }.get(span.phase, span.phase)
+    if span.phase == "finished":
+        return f"request {span.request_id}: finished ({span.reason}) at {start:.3f} s"
     return f"request {span.request_id}: {what}<br>{start:.3f}-{end:.3f} s"

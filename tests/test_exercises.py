@@ -476,6 +476,22 @@ def test_ex1_an_allocate_that_returns_no_list_is_told_to_return_one():
     assert "expected: returns [0, 1]" in text and "got:      returns (0, 1)" in text
 
 
+class FreeNotStarted(BlockAllocator):
+    """allocate is labkit's; free still raises, as the stub's does."""
+
+    def free(self, request_id):
+        raise NotImplementedError("Exercise 1")
+
+
+def test_a_method_not_started_is_named_when_the_other_one_is_done():
+    result, _ = failing(1, FreeNotStarted)
+    waiting = [f for f in result.failures if f.kind == "not started"]
+    assert waiting and result.status == "failing"
+    for failure in waiting:
+        assert failure.message() == f"· {failure.case}: not started: free() still raises NotImplementedError"
+    assert "free() still raises NotImplementedError" in result.report()
+
+
 # ------------------------------------------------------------------ exercise 2
 def slots_from_zero(segments, block_size, scratch):
     return slot_mapping([s._replace(start=0) for s in segments], block_size, scratch)

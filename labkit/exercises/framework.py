@@ -149,8 +149,8 @@ class Failure:
     traceback: str = ""
 
     def message(self) -> str:
-        if self.kind == "not started":
-            return f"· {self.case}: not started (raises NotImplementedError)"
+        if self.kind == "not started":  # ``got`` names the method that still raises, where one is known
+            return f"· {self.case}: not started: {self.got or 'raises NotImplementedError'}"
         lines = [f"✗ {self.case}"]
         for label, text in (("input", self.input), ("expected", self.expected), ("got", self.got)):
             if text:
@@ -235,8 +235,8 @@ def run_case(case: Case, implementation: Any, *, verbose: bool = False) -> Failu
     _current_input[0] = ""
     try:
         case.run(implementation)
-    except NotImplementedError:
-        return Failure(case.name, "not started")
+    except NotImplementedError as error:
+        return Failure(case.name, "not started", got=_not_started(error))
     except Mismatch as mismatch:
         return Failure(
             case.name,
@@ -255,6 +255,14 @@ def run_case(case: Case, implementation: Any, *, verbose: bool = False) -> Failu
             case.name, "error", _clip(_current_input[0], 2 * MAX_SHOWN), got=_clip(got), hint=hint, traceback=where
         )
     return None
+
+
+def _not_started(error: NotImplementedError) -> str:
+    """Which of the learner's functions still raises NotImplementedError ("free() still raises ..."): in an
+    exercise with two methods, where one is done, the other is the one to fill in. "" when none of the frames is
+    the learner's."""
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if _is_learner(frame)]
+    return f"{frames[-1].name}() still raises NotImplementedError" if frames else ""
 
 
 def _broken_code_hint(error: Exception) -> str:

@@ -476,6 +476,74 @@ def test_ex1_an_allocate_that_returns_no_list_is_told_to_return_one():
     assert "expected: returns [0, 1]" in text and "got:      returns (0, 1)" in text
 
 
+class CountsBlocks(BlockAllocator):
+    """allocate written from the contract, but with its own count of the blocks num_tokens fill."""
+
+    @staticmethod
+    def count(num_tokens, block_size):
+        return blocks_for(num_tokens, block_size)
+
+    def allocate(self, request_id, num_tokens, prefix=None):
+        table = self.block_tables.get(request_id, [])
+        needed = max(0, self.count(num_tokens, self.block_size) - len(table))
+        if needed > len(self.free_blocks):
+            raise NoFreeBlocksError(f"{request_id!r} needs {needed} blocks")
+        new = [self.free_blocks.popleft() for _ in range(needed)]
+        for block in new:
+            self.ref_counts[block] = 1
+            self.events.append(BlockEvent("alloc", block, request_id, self.step))
+        self.block_tables[request_id] = table + new
+        self.num_slots[request_id] = max(self.num_slots.get(request_id, 0), num_tokens)
+        return new
+
+
+class DropsThePartialBlock(CountsBlocks):
+    """num_tokens // block_size blocks: the last, partly filled block is never taken."""
+
+    @staticmethod
+    def count(num_tokens, block_size):
+        return num_tokens // block_size
+
+
+class TakesABlockPastAFullOne(CountsBlocks):
+    """num_tokens // block_size + 1 blocks: one too many whenever num_tokens fills its blocks exactly."""
+
+    @staticmethod
+    def count(num_tokens, block_size):
+        return num_tokens // block_size + 1
+
+
+def test_ex1_an_allocate_that_drops_the_last_partial_block_is_told_it_takes_too_few():
+    _, messages = failing(1, DropsThePartialBlock)
+    for text in messages.values():
+        assert "num_tokens // block_size drops that last, partial block" in text, text
+        assert "instead of replacing the table" not in text
+    text = messages["allocate adds only the blocks a request still lacks"]  # the request had no table: none replaced
+    assert "block tables: {'a': [0]}" in text and "block tables: {'a': []}" in text
+    assert "allocate('a', 3) took 0 blocks where 1 is needed" in text
+    text = messages["inside the engine, the allocator serves requests through preemptions and gets every block back"]
+    assert "allocate(0, 3) in step 1 took 0 blocks where 1 is needed" in text
+
+
+def test_ex1_an_allocate_that_takes_a_block_too_many_is_not_told_it_raised_at_an_exact_fit():
+    _, messages = failing(1, TakesABlockPastAFullOne)
+    assert len(messages) == len(get(1).cases)
+    text = messages["free gives every block back to the end of the free queue"]
+    assert "expected: returns [3]" in text and "got:      raises NoFreeBlocksError" in text
+    assert "allocate('b', 2) needs 1 block and 1 is free, yet it raised NoFreeBlocksError" in text
+    assert "given enough free blocks it takes 2" in text
+    text = messages["free of a request that owns nothing raises KeyError"]
+    assert "allocate('a', 4) needs 1 block and 1 is free, yet it raised NoFreeBlocksError" in text
+    text = messages["a block freed now is handed out after every block already free"]
+    assert "allocate('a', 4) took 3 blocks where 2 are needed" in text
+    text = messages["every allocation and free is recorded as a BlockEvent"]
+    assert "allocate('a', 4) (called by append_slot('a')) took 1 block where 0 are needed" in text
+    for text in messages.values():
+        assert "takes one too many when num_tokens fills its blocks exactly" in text, text
+        assert "exactly enough free blocks is enough" not in text and "first in, first out" not in text
+        assert "must raise KeyError" not in text
+
+
 class FreeNotStarted(BlockAllocator):
     """allocate is labkit's; free still raises, as the stub's does."""
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from labkit.core.blocks import BlockAllocator, NoFreeBlocksError
+from labkit.core.blocks import BlockAllocator, NoFreeBlocksError, blocks_for
 from labkit.exercises.engine_runs import MAX_STEPS
 from labkit.exercises.framework import Case, Exercise, Mismatch, learner_frames, property_case, showing
 
@@ -149,14 +149,80 @@ def _lost_hint(lost: list[int], raised: bool = False) -> str:
     return LOST_BLOCKS_HINT.format(blocks=_blocks(lost), it="it" if len(lost) == 1 else "them")
 
 
-def _replaced_table(op: Op, want: dict[str, Any], have: dict[str, Any]) -> bool:
-    """Whether the request's table after ``op`` is only the tail of labkit's: its older blocks were dropped."""
+def _replaced_table(op: Op, want: dict[str, Any], have: dict[str, Any], before: dict[str, Any]) -> bool:
+    """Whether the request's table after ``op`` is only the tail of labkit's: blocks it had before ``op`` (the state
+    ``before``) were dropped. A request that had no blocks loses none: an empty table there is too few blocks."""
     if op[0] not in ("allocate", "append_slot"):
         return False
+    had = before["block tables"].get(op[1]) or []
     theirs, mine = want["block tables"].get(op[1]), have["block tables"].get(op[1])
-    if theirs is None or mine is None or len(mine) >= len(theirs):
+    if not had or theirs is None or mine is None or len(mine) >= len(theirs) or mine[: len(had)] == had:
         return False
     return theirs[len(theirs) - len(mine) :] == mine
+
+
+TOO_FEW_HINT = (
+    "num_tokens tokens fill ceil(num_tokens / block_size) blocks, the last one possibly part full"
+    " (num_tokens // block_size drops that last, partial block). Take self.blocks_needed(request_id, num_tokens)"
+    " blocks, the ones the request's table still lacks"
+)
+TOO_MANY_HINT = (
+    "num_tokens tokens fill ceil(num_tokens / block_size) blocks and no more (num_tokens // block_size + 1 takes"
+    " one too many when num_tokens fills its blocks exactly, or is 0). Take self.blocks_needed(request_id,"
+    " num_tokens) blocks, the ones the request's table still lacks"
+)
+
+
+def _block_count_hint(call: str, took: int, need: int, free: int | None = None) -> str:
+    """The hint for ``call`` (an allocate) that takes ``took`` new blocks where ``need`` are needed; with ``free``,
+    it raised NoFreeBlocksError with that many blocks free (``took``: what it takes given enough)."""
+    rule = TOO_FEW_HINT if took < need else TOO_MANY_HINT
+    if free is not None:
+        return (
+            f"{call} needs {_blocks_count(need)} and {free} {'is' if free == 1 else 'are'} free, yet it raised"
+            f" NoFreeBlocksError: given enough free blocks it takes {took}. {rule}"
+        )
+    return f"{call} took {_blocks_count(took)} where {need} {'is' if need == 1 else 'are'} needed: {rule}"
+
+
+def _call_text(op: Op, before: dict[str, Any]) -> str:
+    """The allocate call ``op`` makes: itself, or the one labkit's append_slot makes."""
+    if op[0] == "append_slot":
+        return f"allocate({op[1]!r}, {before['num_slots'].get(op[1], 0) + 1}) (called by append_slot({op[1]!r}))"
+    return _op_text(op)
+
+
+def _new_blocks(op: Op, table: dict[str, Any], before: dict[str, Any]) -> int | None:
+    """How many blocks ``op`` added to its request's table, when that table only grew (None otherwise)."""
+    had = before["block tables"].get(op[1]) or []
+    now = table.get(op[1])
+    if now is None or now[: len(had)] != had:
+        return None
+    return len(now) - len(had)
+
+
+def _probe_taken(cls: Any, before: dict[str, Any], op: Op, block_size: int) -> int | None:
+    """How many blocks the learner's allocate takes for ``op`` when the state is ``before`` and there are enough
+    free blocks: for an allocate that raised NoFreeBlocksError, whether it asks for too many or raises at an exact
+    fit. None when the probe cannot tell (it raised again, or did not grow the table)."""
+    from collections import deque
+
+    if op[0] not in ("allocate", "append_slot"):
+        return None
+    request = op[1]
+    num_tokens = op[2] if op[0] == "allocate" else before["num_slots"].get(request, 0) + 1
+    num_blocks = len(before["ref counts"])
+    extra = blocks_for(num_tokens, block_size) + 2
+    try:
+        probe = cls(num_blocks + extra, block_size)
+        probe.free_blocks = deque([*before["free queue"], *range(num_blocks, num_blocks + extra)])
+        probe.block_tables = {k: list(v) for k, v in before["block tables"].items()}
+        probe.ref_counts = [*before["ref counts"], *[0] * extra]
+        probe.num_slots = dict(before["num_slots"])
+        probe.allocate(request, num_tokens)
+    except Exception:  # only a probe: the case reports what the real call did
+        return None
+    return _new_blocks(op, probe.block_tables, before)
 
 
 TABLE_ORDER_HINT = (
@@ -193,21 +259,31 @@ def _named_hint(
     want: dict[str, Any],
     have: dict[str, Any],
     hint: str,
-    free_before: int = -1,
+    before: dict[str, Any],
+    taken: int | None = None,
 ) -> str:
     """The case's hint, unless the difference itself names the mistake: a method that returns no list, a table
-    replaced instead of grown, blocks that allocate took into no table, an allocate that raises with exactly enough
-    blocks free (``free_before``: how many were free before ``op``), free's blocks in another order than the
-    table's, num_slots alone, the reference counts alone, the free queue's order, or a shared block's event."""
+    replaced instead of grown, blocks that allocate took into no table, an allocate that takes too few or too many
+    blocks (``taken``: how many it takes, given enough free blocks, where it raised), one that raises with
+    exactly enough blocks free, free's blocks in another order than the table's, num_slots alone, the reference
+    counts alone, the free queue's order, or a shared block's event. ``before`` is the state before ``op``."""
     if (kind := _not_a_list(expected, got)) and op[0] in RETURNED:
         return RETURN_LIST_HINT.format(what=RETURNED[op[0]], kind=kind)
-    if "block tables" in differ and _replaced_table(op, want, have):
+    if "block tables" in differ and _replaced_table(op, want, have, before):
         return GROW_TABLE_HINT
     lost = _lost(have["free queue"], have["block tables"].values(), len(have["ref counts"]))
     if op[0] in ("allocate", "append_slot") and lost:  # the state before op was labkit's, which loses none
         return _lost_hint(lost, raised=isinstance(got, type))  # _apply returns the type of an error allocate raised
-    if got is NoFreeBlocksError and isinstance(expected, list) and expected and len(expected) == free_before:
-        return EXACT_FIT_HINT
+    if op[0] in ("allocate", "append_slot") and "block tables" in differ and not isinstance(got, type):
+        took, need = _new_blocks(op, have["block tables"], before), _new_blocks(op, want["block tables"], before)
+        if took is not None and need is not None and took != need:
+            return _block_count_hint(_call_text(op, before), took, need)
+    if got is NoFreeBlocksError and isinstance(expected, list) and expected:
+        free = len(before["free queue"])
+        if taken is not None and taken > len(expected):
+            return _block_count_hint(_call_text(op, before), taken, len(expected), free)
+        if len(expected) == free:
+            return EXACT_FIT_HINT
     if op[0] == "free" and _reordered(expected, got):
         return TABLE_ORDER_HINT
     if expected != got:
@@ -235,7 +311,7 @@ def replay(cls: Any, num_blocks: int, block_size: int, ops: list[Op], hint: str,
     for op in ops:
         done.append(_op_text(op))
         showing("\n".join(done))
-        free_before = len(ref.free_blocks)
+        before = _state(ref)  # the learner's too: every op before this one left both alike
         expected = _apply(ref, op)
         try:
             got = _apply(mine, op)
@@ -256,7 +332,8 @@ def replay(cls: Any, num_blocks: int, block_size: int, ops: list[Op], hint: str,
             differ = [k for k in want if want[k] != have[k]]
             expected_text = "\n".join([_show(expected)] + [f"{k}: {want[k]}" for k in differ])
             got_text = "\n".join([_show(got)] + [f"{k}: {have[k]}" for k in differ])
-            named = _named_hint(op, expected, got, differ, want, have, hint, free_before)
+            taken = _probe_taken(cls, before, op, block_size) if got is NoFreeBlocksError else None
+            named = _named_hint(op, expected, got, differ, want, have, hint, before, taken)
             raise Mismatch("\n".join(done), expected_text, got_text, named)
 
 
@@ -296,8 +373,8 @@ ENGINE_HINT = (
 
 def _watch_allocate(allocator: Any) -> list[tuple[str, str, str]]:
     """Make ``allocator``'s allocate note its first call that does not grow the request's table from the one it had,
-    or after which blocks are in neither the free queue nor a block table: (expected, got, hint), in the list
-    returned."""
+    after which blocks are in neither the free queue nor a block table, or that takes more or fewer blocks than
+    the request lacks: (expected, got, hint), in the list returned."""
     found: list[tuple[str, str, str]] = []
     allocate = allocator.allocate
 
@@ -326,6 +403,11 @@ def _watch_allocate(allocator: Any) -> list[tuple[str, str, str]]:
                 where = f"{'is' if len(taken) == 1 else 'are'} in neither the free queue nor a block table"
                 want = "every block that allocate takes from the free queue in a block table"
                 found.append((want, f"after {call}, {_blocks(taken)} {where}", _lost_hint(taken, raised)))
+            elif not found and not raised and not any(a is not None for a in (*args, *kwargs.values())):
+                took = len(now) - len(table)
+                if took != needed:  # no prefix: every block it adds is one it took from the free queue
+                    want = f"{call} takes {_blocks_count(needed)}, as many as the request lacks"
+                    found.append((want, f"{call} took {_blocks_count(took)}", _block_count_hint(call, took, needed)))
 
     allocator.allocate = watched
     return found

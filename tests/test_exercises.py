@@ -709,14 +709,14 @@ class LearnerScheduler(Scheduler):
             end = request.num_computed_tokens + n
             last_victim = i if self.preempts_itself else i + 1
             free = allocator.num_free_blocks - self.spare_block
-            while allocator.blocks_needed(request.request_id, end) > free and live > last_victim:
+            while allocator.blocks_needed(request.request_id, self.covered(request, n)) > free and live > last_victim:
                 live -= 1
                 self.preempt(output, self.running[live])
                 free = allocator.num_free_blocks - self.spare_block
             if live == i:
                 break
             allocator.allocate(request.request_id, end)
-            prefill = request.state is RequestState.PREFILLING and self.labels
+            prefill = self.is_prefill(request, n)
             output.add_chunk(request, 0 if self.restarts else request.num_computed_tokens, n, prefill)
             budget -= n
             i += 1
@@ -729,6 +729,18 @@ class LearnerScheduler(Scheduler):
             self.admit_waiting(output, budget)
         return output
 
+    def covered(self, request, n):
+        """How many tokens a running request's table must cover before its chunk of n is planned."""
+        return request.num_computed_tokens + n
+
+    def is_prefill(self, request, n):
+        """The label of a running request's chunk of n tokens."""
+        return request.state is RequestState.PREFILLING and self.labels
+
+    def first_chunk(self, request, n):
+        """How many tokens admission asks the allocator about for a first chunk of n."""
+        return n
+
     def admit_waiting(self, output, budget):
         for request in self.waiting:
             seats = not self.max_seqs or len(self.running) + len(output.admitted) < self.config.max_num_seqs
@@ -738,7 +750,7 @@ class LearnerScheduler(Scheduler):
             n = min(wanted, budget)
             if n < wanted and not self.config.chunked_prefill:
                 break
-            if not self.allocator.can_allocate(request.request_id, n):
+            if not self.allocator.can_allocate(request.request_id, self.first_chunk(request, n)):
                 if self.skips_ahead:
                     continue
                 break
@@ -881,6 +893,98 @@ class PlansEmptyChunks(LearnerScheduler):
     """Goes on admitting once the budget is spent, with chunks of no tokens."""
 
     empty_chunks = True
+
+
+class LabelsByChunkLength(LearnerScheduler):
+    """Calls a chunk a prefill when it has more than one token left to compute: a prompt's last token is a decode."""
+
+    def is_prefill(self, request, n):
+        return request.num_tokens - request.num_computed_tokens > 1
+
+
+class LabelsByPrompt(LearnerScheduler):
+    """Calls a chunk a prefill while the request's prompt is not all computed: a recomputation's later chunks decode."""
+
+    def is_prefill(self, request, n):
+        return request.num_computed_tokens < request.num_prompt_tokens
+
+
+class AsksForTheWholePrompt(LearnerScheduler):
+    """Admits a request only when the blocks of all its tokens are free, not those of its first chunk."""
+
+    def first_chunk(self, request, n):
+        return request.num_tokens
+
+
+class AsksAboutTheChunkAlone(LearnerScheduler):
+    """Asks blocks_needed about the chunk's n tokens, not num_computed_tokens + n: it never preempts."""
+
+    def covered(self, request, n):
+        return n
+
+
+@pytest.mark.parametrize(
+    ("planted", "case", "says"),
+    [
+        (
+            LabelsByChunkLength,
+            "a prompt's last chunk of one token is still a prefill",
+            [
+                "expected: step 2: prefill r0 [12:13]",
+                "got:      step 2: decode r0 [12:13]",
+                "r0's chunk [12:13] is a prefill: a prompt's last chunk may be a single token",
+            ],
+        ),
+        (
+            LabelsByPrompt,
+            "a request recomputed after preemption prefills all its tokens, chunk by chunk",
+            [
+                "step 4: decode r0 [4:5]; preempted [1]",
+                "step 5: decode r0 [5:6]; prefill r1 [0:8]; admitted [1]",
+                "expected: step 6: prefill r1 [8:10]",
+                "got:      step 6: decode r1 [8:10]",
+                "r1 was preempted, so it recomputes the tokens it generated as well as its prompt, and this chunk lies"
+                " past its 7-token prompt",
+            ],
+        ),
+    ],
+)
+def test_ex3_a_prefill_chunk_labelled_a_decode_is_told_what_misled_the_label(planted, case, says):
+    text = only_failure(3, planted, case)
+    for line in says:
+        assert line in text, text
+    assert "not by how many tokens it has, nor by whether it lies within the prompt" in text
+
+
+def test_ex3_an_admission_that_asks_for_the_whole_prompts_blocks_is_named():
+    _, messages = failing(3, AsksForTheWholePrompt)
+    first = messages["admission needs the blocks of the first chunk, not of the whole prompt"]
+    recomputed = messages["a request recomputed after preemption prefills all its tokens, chunk by chunk"]
+    assert "your code asked allocator.can_allocate(1, 10)" in recomputed  # all 10 tokens, not the 8 of its chunk
+    assert first.count("with n = min(request.num_tokens, budget)") == 1  # the case's rule, said once
+    for line in (
+        "expected: step 1: prefill r0 [0:4]; prefill r1 [0:4]; admitted [0, 1]",
+        "got:      step 1: prefill r0 [0:4]; admitted [0]",
+        "r1 can start with a chunk of 4 tokens, but your code asked allocator.can_allocate(1, 14)",
+    ):
+        assert line in first, first
+
+
+def test_ex3_a_running_request_out_of_blocks_after_asking_about_its_chunk_alone_is_named():
+    _, messages = failing(3, AsksAboutTheChunkAlone)
+    for text in messages.values():
+        assert "request.num_computed_tokens + n, as allocate does" in text, text
+        assert "admit a request only if self.allocator.can_allocate" not in text and "_BadPlan" not in text
+    text = messages["the youngest request, needing a block when none is free, preempts itself and runs nothing"]
+    assert all(
+        line in text
+        for line in (
+            "expected: step 6: decode r0 [8:9]; preempted [1]",
+            "got:      your code raised NoFreeBlocksError: request 1 needs 1 blocks, only 0 free",
+            "in schedule_continuous",  # where the learner's code raised
+            "your code asked allocator.blocks_needed(1, 1) but allocates 9 tokens for r1",
+        )
+    ), text
 
 
 def test_ex3_a_scheduler_written_from_the_contract_passes():

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from labkit.core.blocks import NoFreeBlocksError
 from labkit.core.config import EngineConfig
 from labkit.core.engine import Engine
 from labkit.core.report import StepReport
@@ -68,6 +69,44 @@ LABEL_HINT = (
 )
 
 
+PREFILL_LABEL_HINT = (
+    "r{id}'s chunk [{start}:{end}] is a prefill: {why}, and r{id} is PREFILLING until all its request.num_tokens"
+    " are computed. Label a chunk by the request's state, output.add_chunk(request, start, n, request.state is"
+    " RequestState.PREFILLING): not by how many tokens it has, nor by whether it lies within the prompt"
+)
+ONE_TOKEN_WHY = "a prompt's last chunk may be a single token"
+RECOMPUTE_WHY = (
+    "r{id} was preempted, so it recomputes the tokens it generated as well as its prompt, and this chunk lies"
+    " past its {prompt}-token prompt"
+)
+FIRST_CHUNK_RULE = (
+    "admit a request when the blocks of its first chunk are free: self.allocator.can_allocate(request.request_id,"
+    " n) with n = min(request.num_tokens, budget), the tokens it computes now, not request.num_tokens. With chunked"
+    " prefill a long prompt grows its blocks chunk by chunk; asking for all of them up front keeps it waiting"
+    " while its first chunk could run"
+)
+FIRST_CHUNK_HINT = (
+    "r{id} can start with a chunk of {chunk} tokens, but your code asked allocator.can_allocate({id}, {asked}): "
+    + FIRST_CHUNK_RULE
+)
+MAKE_ROOM = (
+    "before allocating a running request's chunk, make room: while allocator.blocks_needed(request.request_id,"
+    " request.num_computed_tokens + n) > allocator.num_free_blocks, preempt the youngest running request not yet"
+    " preempted (self.preempt(output, victim)), and if that is the request itself, give it no chunk and stop the"
+    " walk there"
+)
+RUNNING_BLOCKS_HINT = "r{id} is running and its chunk needs more blocks than are free, so allocate raised: " + MAKE_ROOM
+BLOCKS_NEEDED_COUNT_HINT = (
+    "your code asked allocator.blocks_needed({id}, {asked}) but allocates {num_tokens} tokens for r{id}: ask about"
+    " the tokens its table must then cover, request.num_computed_tokens + n, as allocate does, not the chunk's n"
+    " alone (a table that holds num_computed_tokens tokens already covers n of them, so that count says no block"
+    " is needed and nothing is preempted). " + MAKE_ROOM[0].upper() + MAKE_ROOM[1:]
+)
+SELF_VICTIM_HINT = (
+    "r{id} needs more blocks than are free, and no younger running request is left to preempt: r{id} is its own"
+    " victim (self.preempt(output, request)), so it gets no chunk this step: stop the walk there, before"
+    " allocating"
+)
 EMPTY_CHUNK_HINT = (
     "a chunk is at least one token: give a request a chunk only while the budget is positive, and stop walking"
     " and admitting once it reaches 0"
@@ -116,6 +155,26 @@ def divergence_hint(expected: StepReport, got: StepReport, preempted_before: set
     return None
 
 
+def label_hint(engine: Engine, expected: StepReport, got: StepReport) -> str:
+    """The hint for a step with labkit's chunks, labelled otherwise: the first chunk the learner calls a decode
+    that is a prefill of a single token, or of a recomputed request past its prompt, says so; else LABEL_HINT."""
+    for want, have in zip(expected.scheduled, got.scheduled, strict=False):
+        if want.is_prefill == have.is_prefill:
+            continue
+        request = engine.requests.get(have.request_id)
+        if request is not None and have.start >= request.num_prompt_tokens:
+            why = RECOMPUTE_WHY.format(id=have.request_id, prompt=request.num_prompt_tokens)
+        elif have.num_tokens == 1:
+            why = ONE_TOKEN_WHY
+        else:
+            why = ""
+        if not want.is_prefill or not why:
+            return LABEL_HINT
+        end = have.start + have.num_tokens
+        return PREFILL_LABEL_HINT.format(id=have.request_id, start=have.start, end=end, why=why)
+    return LABEL_HINT
+
+
 class _BadPlan(Exception):
     """A plan that labkit cannot carry out: raised before the model runs, so that the step rolls back."""
 
@@ -140,6 +199,15 @@ def plan_problem(engine: Engine, output: SchedulerOutput) -> tuple[str, str] | N
             message = f"step {output.step} schedules {where}, but r{request_id}'s blocks hold {slots} tokens"
             return message, STATIC_RESERVE_HINT if engine.config.policy == "static" else ALLOCATE_HINT
     return None
+
+
+def planned(engine: Engine, setup: str, want: str) -> SchedulerOutput:
+    """``engine``'s next plan, outside a step (as the engine's rollback tests make one): a plan that
+    :func:`check_plans` refuses is a Mismatch against ``want``, what labkit's plan does, after ``setup``."""
+    try:
+        return engine.scheduler.schedule()
+    except _BadPlan as bad:
+        raise Mismatch(setup, want, bad.message, bad.hint) from None
 
 
 def planner_state(scheduler: Any) -> dict[str, Any]:
@@ -167,12 +235,94 @@ def _returned(value: Any) -> str:
     return "None" if value is None else f"a {type(value).__name__}"
 
 
-def check_plans(engine: Engine) -> None:
+class _PlanWatch:
+    """What the code planning a step calls on ``engine``'s scheduler and allocator (instance attributes, this engine
+    only): whom preempt() is called on, which request each allocate is for, and how many tokens each
+    blocks_needed called outside the allocator's own methods asks about."""
+
+    def __init__(self, engine: Engine) -> None:
+        scheduler, allocator = engine.scheduler, engine.allocator
+        self.running: list[int] = []  # self.running's request ids when the plan started
+        self.victims: list[int] = []
+        self.allocations: list[tuple[Any, int]] = []  # (request id, num_tokens)
+        self.asked: dict[Any, int] = {}  # request id -> num_tokens of the last blocks_needed call for it
+        self.asked_to_start: dict[Any, int] = {}  # request id -> num_tokens of the last can_allocate call for it
+        inner = [0]  # inside one of the allocator's own methods, whose calls of blocks_needed are not the plan's
+        preempt, allocate = scheduler.preempt, allocator.allocate
+        blocks_needed, can_allocate = allocator.blocks_needed, allocator.can_allocate
+
+        def watched_preempt(output: SchedulerOutput, victim: Any) -> None:
+            self.victims.append(victim.request_id)
+            preempt(output, victim)
+
+        def inside(method: Callable[..., Any]) -> Callable[..., Any]:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                inner[0] += 1
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    inner[0] -= 1
+
+            return call
+
+        def watched_allocate(request_id: Any, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
+            self.allocations.append((request_id, num_tokens))
+            return inside(allocate)(request_id, num_tokens, *args, **kwargs)
+
+        def watched_can_allocate(request_id: Any, num_tokens: int, *args: Any, **kwargs: Any) -> bool:
+            if not inner[0]:
+                self.asked_to_start[request_id] = num_tokens
+            return inside(can_allocate)(request_id, num_tokens, *args, **kwargs)
+
+        def watched_blocks_needed(request_id: Any, num_tokens: int) -> int:
+            if not inner[0]:
+                self.asked[request_id] = num_tokens
+            return blocks_needed(request_id, num_tokens)
+
+        scheduler.preempt = watched_preempt
+        allocator.allocate, allocator.can_allocate = watched_allocate, watched_can_allocate
+        allocator.blocks_needed = watched_blocks_needed
+
+    def start(self, running: Sequence[Any]) -> None:
+        self.running = [r.request_id for r in running]
+        self.victims.clear()
+        self.allocations.clear()
+        self.asked.clear()
+        self.asked_to_start.clear()
+
+    def admission_hint(self, expected: StepReport, got: StepReport) -> str | None:
+        """FIRST_CHUNK_HINT when labkit's step admits a request that the learner's does not, after asking
+        can_allocate about more tokens than that request's first chunk."""
+        for work in expected.scheduled:
+            request_id, end = work.request_id, work.start + work.num_tokens
+            asked = self.asked_to_start.get(request_id)
+            if request_id in expected.admitted and request_id not in got.admitted and asked and asked > end:
+                return FIRST_CHUNK_HINT.format(id=request_id, chunk=end, asked=asked)
+        return None
+
+    def out_of_blocks(self) -> str | None:
+        """The hint for a NoFreeBlocksError that the plan's last allocate raised, if it was for a running request."""
+        if not self.allocations or self.allocations[-1][0] not in self.running:
+            return None
+        request_id, num_tokens = self.allocations[-1]
+        asked = self.asked.get(request_id)
+        if asked is not None and asked != num_tokens:
+            return BLOCKS_NEEDED_COUNT_HINT.format(id=request_id, asked=asked, num_tokens=num_tokens)
+        younger = self.running[self.running.index(request_id) + 1 :]
+        if all(i in self.victims for i in younger):
+            return SELF_VICTIM_HINT.format(id=request_id)
+        return RUNNING_BLOCKS_HINT.format(id=request_id)
+
+
+def check_plans(engine: Engine) -> _PlanWatch:
     """Make ``engine``'s scheduler raise _BadPlan, before the model runs, on a plan that is no SchedulerOutput (or a
     static batch that is no list), one with a :func:`plan_problem` or one that changed a request or a queue while
-    planning (only ``update`` may: a failed step rolls back)."""
+    planning (only ``update`` may: a failed step rolls back), and where the learner's code raises
+    NoFreeBlocksError allocating a running request's chunk (:meth:`_PlanWatch.out_of_blocks`). Returns the watch,
+    which also says what a continuous step that admits less than labkit's asked the allocator about."""
     scheduler = engine.scheduler
     plan, form = scheduler.schedule, scheduler.form_static_batch
+    watch = _PlanWatch(engine)
 
     def form_static_batch(output: SchedulerOutput) -> Any:
         batch = form(output)
@@ -183,7 +333,14 @@ def check_plans(engine: Engine) -> None:
 
     def schedule() -> SchedulerOutput:
         before = planner_state(scheduler)
-        output = plan()
+        watch.start(scheduler.running)
+        try:
+            output = plan()
+        except NoFreeBlocksError as error:
+            where, hint = learner_frames(error), watch.out_of_blocks()
+            if not where or hint is None:
+                raise
+            raise _BadPlan(f"your code raised NoFreeBlocksError: {error}\n{where}", hint) from None
         if not isinstance(output, SchedulerOutput):
             message = f"step {scheduler.step_index + 1}: schedule_continuous returned {_returned(output)}"
             raise _BadPlan(message, RETURN_HINT)
@@ -197,6 +354,7 @@ def check_plans(engine: Engine) -> None:
 
     scheduler.schedule = schedule  # this engine's scheduler only: an instance attribute
     scheduler.form_static_batch = form_static_batch
+    return watch
 
 
 def prompts(workload: Workload) -> list[list[int]]:
@@ -288,7 +446,8 @@ def run_in_lockstep(
     done: list[str] = []
     preempted_before: set[int] = set()
     showing(setup)
-    check_plans(mine)
+    watch = check_plans(mine)
+    continuous = mine.config.policy == "continuous"  # a static batch asks can_allocate about its whole future
     for _ in range(MAX_STEPS if num_steps is None else num_steps):
         if not ref.has_unfinished() and not mine.has_unfinished():
             return
@@ -311,14 +470,17 @@ def run_in_lockstep(
                 raise Mismatch(so_far, want, message, rule_hint)
         if show(expected) != show(got):
             relabelled = show(expected).replace("prefill ", "decode ") == show(got).replace("prefill ", "decode ")
-            cause = divergence_hint(expected, got, preempted_before) if diagnose and not relabelled else None
+            cause = None
+            if diagnose and not relabelled:
+                cause = divergence_hint(expected, got, preempted_before)
+                cause = cause or (watch.admission_hint(expected, got) if continuous else None)
             if relabelled:
-                step_hint = LABEL_HINT
+                step_hint = label_hint(mine, expected, got)
             elif cause is None:
                 step_hint = hint
             else:  # a case that checks no more than the first difference adds nothing to the cause
                 generic = hint.startswith(FIRST_DIFFERENCE_HINT.format(""))
-                step_hint = cause if generic else f"{cause}. What this case checks: {hint}"
+                step_hint = cause if generic or hint in cause else f"{cause}. What this case checks: {hint}"
             raise Mismatch(so_far, want, f"step {got.step}: {show(got)}", step_hint)
         if after_step is not None:
             message = after_step[0](mine, got)

@@ -9,6 +9,7 @@ from labkit.core.engine import Engine
 from labkit.core.report import StepReport
 from labkit.core.scheduler import Scheduler
 from labkit.exercises.engine_runs import (
+    FIRST_CHUNK_RULE,
     FIRST_DIFFERENCE_HINT,
     Workload,
     budget_rule,
@@ -17,6 +18,7 @@ from labkit.exercises.engine_runs import (
     engines,
     lockstep,
     max_seqs_rule,
+    planned,
     run_in_lockstep,
 )
 from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing
@@ -35,6 +37,21 @@ RECOMPUTE_HINT = (
     " (its prompt and the tokens it generated) from 0: admit it with min(request.num_tokens, budget) tokens,"
     " not just its prompt"
 )
+PREFILL_CHUNK_HINT = (
+    "a chunk is a prefill while its request is PREFILLING (output.add_chunk(request, start, n, request.state is"
+    " RequestState.PREFILLING)): also a prompt's last chunk of a single token, and also a recomputed request's"
+    " chunks past its prompt (a preempted request recomputes the tokens it generated too)"
+)
+#: Prefill chunks that a label by the chunk's length, or by the prompt's end, calls decodes: (workload, config).
+PREFILL_CHUNKS = {
+    # a 13-token prompt under a budget of 12 ends with a chunk of one token
+    "a prompt's last chunk of one token is still a prefill": ([(13, 3)], {"max_batch_tokens": 12}),
+    # r1 is preempted after generating 2 tokens, then recomputes 9 tokens in two chunks, the second past its prompt
+    "a request recomputed after preemption prefills all its tokens, chunk by chunk": (
+        [(2, 5), (7, 4)],
+        {"max_batch_tokens": 9, "num_blocks": 4},
+    ),
+}
 NO_ADMIT_HINT = (
     "a step that preempts admits nothing new: if output.preempted is not empty after the running requests,"
     " skip admission, also when no request needed a block and the victims are only self.evict_first's. The"
@@ -134,7 +151,7 @@ def _after_a_failed_step(
     )
     showing(setup)
     for engine in (mine, ref):
-        output = engine.scheduler.schedule()
+        output = planned(engine, setup, f"step {failing}'s plan preempts [2]")
         engine.scheduler.rollback(output)
         victims = [r.request_id for r in output.preempted]
         if victims != [2]:
@@ -208,6 +225,7 @@ CASES = [
         max_batch_tokens=10,
         chunked_prefill=False,
     ),
+    *(_case(name, workload, PREFILL_CHUNK_HINT, **knobs) for name, (workload, knobs) in PREFILL_CHUNKS.items()),
     _case("max_num_seqs caps the running requests", [(2, 4)] * 5, SEQS_HINT, max_num_seqs=2),
     _case(
         "admission stops when the free blocks run out",
@@ -215,6 +233,13 @@ CASES = [
         "admit a request only if self.allocator.can_allocate(request.request_id, num_tokens); then allocate."
         f" Later, {RECOMPUTE_HINT}",
         num_blocks=5,
+    ),
+    _case(
+        "admission needs the blocks of the first chunk, not of the whole prompt",
+        [(4, 3), (14, 1)],
+        FIRST_CHUNK_RULE,
+        max_batch_tokens=8,
+        num_blocks=4,
     ),
     _case(
         "a request that needs a block when none is free preempts the youngest",

@@ -1178,7 +1178,33 @@ def test_ex4_planted_mistakes_are_named():
     assert "r2: state RequestState.DECODING, num_computed_tokens 4, num_preemptions 0" in text
     assert "r2: state RequestState.WAITING, num_computed_tokens 0, num_preemptions 1" in text
     assert "preempt() only plans" in text
-    assert "got:      the plan preempts []" in listed["a rolled-back step leaves its victim as it was"]
+    text = listed["a rolled-back step leaves its victim as it was"]
+    assert "got:      step 2 called preempt(output, r2), but output.preempted lists []" in text
+
+
+def test_ex4_a_victim_left_out_of_output_preempted_is_named_in_every_case_not_its_double_free():
+    _, messages = failing(4, NotListed)
+    for text in messages.values():  # the KeyError of the next step, which preempts r2 again, is never reached
+        assert "must list its victim: output.preempted.append(victim)" in text, text
+        assert "raised KeyError" not in text and "whom they preempt" not in text
+    assert len(messages) == len(get(4).cases)
+    text = messages["the victim's preemption is counted in its metrics"]
+    assert "expected: step 2's output.preempted lists [2]\n  got:      step 2 called preempt(output, r2)" in text
+
+
+class InsertsVictimsFirst(Scheduler):
+    """Puts each victim at the front of output.preempted: a step's victims are listed oldest first."""
+
+    def preempt(self, output, victim):
+        self.allocator.free(victim.request_id)
+        output.preempted.insert(0, victim)
+
+
+def test_ex4_victims_listed_in_another_order_than_preempted_are_named():
+    text = only_failure(4, InsertsVictimsFirst, "two victims of one step are listed in the order they were preempted")
+    assert "expected: step 2: decode r0 [4:5]; decode r1 [4:5]; preempted [3, 2]" in text
+    assert "got:      step 2 preempted r3 then r2, but output.preempted lists [2, 3]" in text
+    assert "output.preempted.append(victim), not insert(0, victim)" in text
 
 
 class FreesAtTheCommit(Scheduler):

@@ -107,6 +107,19 @@ SELF_VICTIM_HINT = (
     " victim (self.preempt(output, request)), so it gets no chunk this step: stop the walk there, before"
     " allocating"
 )
+UNLISTED_HINT = (
+    "preempt(output, victim) must list its victim: output.preempted.append(victim). update() takes only the"
+    " listed victims off self.running, so an unlisted one stays there without blocks, and a later step that"
+    " needs a block picks it as a victim again: freeing its blocks a second time raises KeyError (it owns no"
+    " blocks)"
+)
+VICTIM_ORDER_HINT = (
+    "list the victims in the order they are preempted, the youngest first: output.preempted.append(victim), not"
+    " insert(0, victim). update() requeues them in that order, each at the front of the waiting queue, so that"
+    " the oldest victim ends up first and runs again before the younger ones"
+)
+
+
 EMPTY_CHUNK_HINT = (
     "a chunk is at least one token: give a request a chunk only while the budget is positive, and stop walking"
     " and admitting once it reaches 0"
@@ -173,6 +186,21 @@ def label_hint(engine: Engine, expected: StepReport, got: StepReport) -> str:
         end = have.start + have.num_tokens
         return PREFILL_LABEL_HINT.format(id=have.request_id, start=have.start, end=end, why=why)
     return LABEL_HINT
+
+
+def listing_problem(step: int, called: Sequence[int], listed: Sequence[int]) -> tuple[str, str] | None:
+    """(what is wrong, hint) when the victims that preempt() was called on in ``step`` (``called``, request ids in
+    call order) are not what output.preempted lists (``listed``): one left out, or the same ones in another order."""
+    missing = [i for i in called if i not in listed]
+    if missing:
+        names = ", ".join(f"r{i}" for i in missing)
+        message = f"step {step} called preempt(output, {names}), but output.preempted lists {list(listed)}"
+        return message, UNLISTED_HINT
+    if list(listed) != list(called) and sorted(listed) == sorted(called):
+        names = " then ".join(f"r{i}" for i in called)
+        message = f"step {step} preempted {names}, but output.preempted lists {list(listed)}"
+        return message, VICTIM_ORDER_HINT
+    return None
 
 
 class _BadPlan(Exception):
@@ -316,7 +344,8 @@ class _PlanWatch:
 
 def check_plans(engine: Engine) -> _PlanWatch:
     """Make ``engine``'s scheduler raise _BadPlan, before the model runs, on a plan that is no SchedulerOutput (or a
-    static batch that is no list), one with a :func:`plan_problem` or one that changed a request or a queue while
+    static batch that is no list), one whose output.preempted is not whom preempt() was called on
+    (:func:`listing_problem`), one with a :func:`plan_problem` or one that changed a request or a queue while
     planning (only ``update`` may: a failed step rolls back), and where the learner's code raises
     NoFreeBlocksError allocating a running request's chunk (:meth:`_PlanWatch.out_of_blocks`). Returns the watch,
     which also says what a continuous step that admits less than labkit's asked the allocator about."""
@@ -344,6 +373,9 @@ def check_plans(engine: Engine) -> _PlanWatch:
         if not isinstance(output, SchedulerOutput):
             message = f"step {scheduler.step_index + 1}: schedule_continuous returned {_returned(output)}"
             raise _BadPlan(message, RETURN_HINT)
+        problem = listing_problem(output.step, watch.victims, [r.request_id for r in output.preempted])
+        if problem is not None:
+            raise _BadPlan(*problem)
         changes = plan_changes(before, planner_state(scheduler))
         if changes is not None:
             raise _BadPlan(f"planning step {output.step} changed {changes}", APPLY_HINT)

@@ -14,42 +14,63 @@ from labkit.core.engine import Engine
 from labkit.core.request import RequestState, SamplingParams
 from labkit.core.scheduler import Scheduler
 from labkit.core.sim import SimulatedModel
-from labkit.exercises.engine_runs import FIRST_DIFFERENCE_HINT, config, describe, lockstep, prompts, step_text
+from labkit.exercises.engine_runs import (
+    FIRST_DIFFERENCE_HINT,
+    config,
+    describe,
+    listing_problem,
+    lockstep,
+    prompts,
+    step_text,
+)
 from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing
 
 # Prompts of one block each, so the first decode needs a second block; three run (max_num_seqs), r3 waits.
 SCENARIO = [(4, 12), (4, 12), (4, 12), (4, 12)]
 SCENARIO_CONFIG = config(num_blocks=5, max_num_seqs=3)  # 3 blocks after prefill, 2 free: r2 is preempted
 VICTIM = 2
+# The same requests, four running: the first decode step preempts r3, then r2, and requeues r2 first.
+TWO_VICTIMS_CONFIG = config(num_blocks=5, max_num_seqs=4)
 
 
-def _scenario(cls: Any) -> tuple[Engine, str]:
-    """A fresh engine on ``cls`` holding the scenario's requests, and the scenario in words."""
+def _scenario(cls: Any) -> tuple[Engine, str, list[tuple[Any, list[int]]]]:
+    """A fresh engine on ``cls`` holding the scenario's requests, the scenario in words, and the list to which each
+    preempt(output, victim) that returns adds (victim's id, the blocks it still holds then)."""
     engine = Engine(SimulatedModel(), SCENARIO_CONFIG, scheduler_cls=cls)
     for prompt in prompts(SCENARIO):
         engine.add_request(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
     text = describe(SCENARIO_CONFIG, SCENARIO)
     showing(text)
-    return engine, text
-
-
-def _preempting_step(cls: Any) -> tuple[Engine, Any, dict[str, Any], str]:
-    """Serve the scenario with ``cls`` until a step preempts; return the engine, that report and the state before."""
-    engine, text = _scenario(cls)
-    held: dict[Any, list[int]] = {}  # each victim's blocks as preempt() returned: none, if it freed them then
+    preempted: list[tuple[Any, list[int]]] = []
     preempt = engine.scheduler.preempt
 
     def watched(output: Any, victim: Any) -> None:
         preempt(output, victim)
-        held.setdefault(victim.request_id, list(engine.allocator.block_tables.get(victim.request_id, ())))
+        preempted.append((victim.request_id, list(engine.allocator.block_tables.get(victim.request_id, ()))))
 
     engine.scheduler.preempt = watched  # this engine's scheduler only: an instance attribute
+    return engine, text, preempted
+
+
+def _preempting_step(cls: Any) -> tuple[Engine, Any, dict[str, Any], str]:
+    """Serve the scenario with ``cls`` until a step preempts; return the engine, that report and the state before.
+
+    A step that calls preempt() on a victim and does not list it in output.preempted is a Mismatch at once: the
+    victim stays in self.running without its blocks, and the next step that preempts it again raises KeyError.
+    """
+    engine, text, preempted = _scenario(cls)
     for _ in range(3):
         before = {"blocks": len(engine.allocator.block_tables.get(VICTIM, ())), "free": engine.num_free_blocks}
-        before["held after preempt"] = held
+        called = len(preempted)
         report = engine.step()
         text += f"\nstep {report.step}: {step_text(report)}"
         showing(text)
+        victims = [request_id for request_id, _ in preempted[called:]]
+        problem = listing_problem(report.step, victims, list(report.preempted))
+        if problem is not None:
+            raise Mismatch(text, f"step {report.step}'s output.preempted lists {victims}", *problem)
+        # each victim's blocks as preempt() returned: none, if it freed them then
+        before["held after preempt"] = {request_id: blocks for request_id, blocks in reversed(preempted)}
         if report.preempted:
             return engine, report, before, text
     raise Mismatch(text, f"step 2 preempts r{VICTIM}", "no step preempted", _PLAN_HINT)
@@ -133,7 +154,7 @@ _ROLLBACK_HINT = (
 
 def _rolled_back(cls: Any) -> None:
     """Plan the preempting step, then roll it back as the engine does when the model fails: r2 must be as before."""
-    engine, text = _scenario(cls)
+    engine, text, preempted = _scenario(cls)
     report = engine.step()
     text += f"\nstep {report.step}: {step_text(report)}"
     before = _victim_state(engine)
@@ -142,9 +163,11 @@ def _rolled_back(cls: Any) -> None:
     showing(text)
     output = engine.scheduler.schedule()
     engine.scheduler.rollback(output)
-    if [r.request_id for r in output.preempted] != [VICTIM]:
-        got = f"the plan preempts {[r.request_id for r in output.preempted]}"
-        raise Mismatch(text, f"the plan preempts [{VICTIM}]", got, _PLAN_HINT)
+    listed = [r.request_id for r in output.preempted]
+    if listed != [VICTIM]:
+        problem = listing_problem(output.step, [request_id for request_id, _ in preempted], listed)
+        got, hint = problem or (f"the plan preempts {listed}", _PLAN_HINT)
+        raise Mismatch(text, f"the plan preempts [{VICTIM}]", got, hint)
     after = _victim_state(engine)
     if after != before:
         raise Mismatch(text, f"as before the plan: {before}", f"after the rollback: {after}", _ROLLBACK_HINT)
@@ -166,6 +189,13 @@ def _unchanged_output(cls: Any) -> None:
     for a, b in zip(squeezed, free, strict=True):
         if a.output_token_ids != b.output_token_ids:
             raise Mismatch(describe(cfg, workload), repr(b.output_token_ids), repr(a.output_token_ids), hint)
+
+
+TWO_VICTIMS_HINT = (
+    "two victims of one step wait again oldest first: preempt() lists each victim as it comes"
+    " (output.preempted.append(victim)), the youngest first, and requeue_preempted() puts each one at the front of"
+    " the waiting queue (self.waiting.appendleft(victim)), so the last one requeued, the oldest, runs first"
+)
 
 
 def _strategy() -> Any:
@@ -212,6 +242,11 @@ CASES = [
         _counted,
     ),
     Case("a rolled-back step leaves its victim as it was", _rolled_back, _ROLLBACK_HINT),
+    Case(
+        "two victims of one step are listed in the order they were preempted",
+        lambda cls: lockstep(cls, TWO_VICTIMS_CONFIG, SCENARIO, TWO_VICTIMS_HINT),
+        TWO_VICTIMS_HINT,
+    ),
     Case(
         "a preempted request's output is unchanged",
         _unchanged_output,

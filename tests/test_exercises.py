@@ -1319,7 +1319,9 @@ def returns_float32(q, k, v, table, context_len, scale):
     return paged_attention(q.float(), k.float(), v.float(), table, context_len, scale)
 
 
-def written_out(q, k, v, table, context_len, scale, *, visible=operator.le, softmax_dim=-1, on_device=True):
+def written_out(
+    q, k, v, table, context_len, scale, *, visible=operator.le, softmax_dim=-1, on_device=True, shifted=True
+):
     """paged_attention written from the contract, step by step; the planted mistakes change one step."""
     heads, queries, _ = q.shape
     block_size = k.shape[2]
@@ -1330,6 +1332,9 @@ def written_out(q, k, v, table, context_len, scale, *, visible=operator.le, soft
     scores = q.float() @ keys.transpose(1, 2) * scale
     query_pos = torch.arange(context_len - queries, context_len, device=device)[:, None]
     scores = scores.masked_fill(~visible(torch.arange(context_len, device=device), query_pos), float("-inf"))
+    if not shifted:  # exp of the scores as they are, as a softmax written out by hand may do
+        exponentials = scores.exp()
+        return (exponentials / exponentials.sum(softmax_dim, keepdim=True) @ values).to(q.dtype)
     return (scores.softmax(softmax_dim) @ values).to(q.dtype)
 
 
@@ -1377,10 +1382,17 @@ def test_ex5_planted_mistakes_are_named():
     assert "the query's dtype, torch.bfloat16" in text and "dtype torch.float32" in text and ".to(query.dtype)" in text
 
 
+def test_ex5_a_softmax_that_overflows_on_large_scores_is_named():
+    text = only_failure(5, functools.partial(written_out, shifted=False), "large scores: the softmax stays finite")
+    assert "scale=40.0" in text and "= [nan, nan, nan, nan]" in text
+    assert "Your output is what a softmax that exponentiates the scores without subtracting each row's largest" in text
+    assert "scores.softmax(dim=-1) does it for you" in text
+
+
 @pytest.mark.parametrize(
     ("planted", "named"),
     [
-        pytest.param(ignores_scale, "scaling by 1/sqrt(D) = 0.354 in place of scale = 0.", id="scale"),
+        pytest.param(ignores_scale, "scaling by 1/sqrt(D) = 0.354 in place of scale = ", id="scale"),
         pytest.param(
             functools.partial(written_out, visible=operator.lt),
             "a causal mask that hides each query's own position",

@@ -73,12 +73,14 @@ def dense_attention(
     sees: int = 0,
     causal: bool = True,
     softmax_dim: int = -1,
+    shifted: bool = True,
 ) -> Any:
     """Causal attention over the request's keys and values in position order: what paged attention must equal.
 
     The keywords exist to replay a classic mistake (:data:`MISTAKES`) on the same arithmetic; their defaults
     are the contract: query head h reads KV head ``kv_head[h]`` = h // (H // KV), query q sees the keys up to
-    its own position plus ``sees``, and the softmax normalises over the keys.
+    its own position plus ``sees``, and the softmax normalises over the keys, shifted by their largest score
+    (``shifted=False`` exponentiates the scores as they are, which overflows to inf above 88 in float32).
     """
     import torch
 
@@ -91,6 +93,9 @@ def dense_attention(
         context = s["context_len"]
         query_pos = torch.arange(context - num_queries, context)[:, None] + sees
         scores = scores.masked_fill(torch.arange(keys.shape[1]) > query_pos, float("-inf"))
+    if not shifted:
+        exponentials = scores.exp()
+        return exponentials / exponentials.sum(dim=softmax_dim, keepdim=True) @ values[kv_head]
     return scores.softmax(dim=softmax_dim) @ values[kv_head]
 
 
@@ -224,6 +229,13 @@ MISTAKES = [
         "no causal mask",
         "in a prefill chunk a query must not see the keys of the tokens after it; set their scores to -inf",
         lambda s, scale: dense_attention(s, scale, causal=False),
+    ),
+    Mistake(
+        "a softmax that exponentiates the scores without subtracting each row's largest first (exp of a score"
+        " above about 88 is inf in float32, and inf / inf is NaN)",
+        "subtract each row's largest score before exp, scores - scores.amax(dim=-1, keepdim=True), which changes"
+        " nothing else; scores.softmax(dim=-1) does it for you",
+        lambda s, scale: dense_attention(s, scale, shifted=False),
     ),
     Mistake(
         "a softmax over dim 1 (the queries)",
@@ -436,6 +448,14 @@ def _on_cuda(fn: Any) -> None:
     compare(fn, DEVICE_HINT, **BF16_CASE, device=device, values=device != "cpu")
 
 
+# The large-scores case: a scale of 40 makes scores of a few hundred (q . k is about +-3 for D=8), and a softmax
+# that does not subtract the largest score overflows, as one can on a model's real activations.
+LARGE_SCORES_CASE: dict[str, Any] = dict(heads=2, kv_heads=2, context=9, queries=3, block_size=4, scale=40.0)
+LARGE_SCORES_HINT = (
+    "the scores here reach a few hundred, and exp of one above about 88 overflows float32 (inf, and inf / inf"
+    " is NaN): subtract each row's largest score before exp, or use scores.softmax(dim=-1), which does. An"
+    " output that is finite but wrong here is wrong in the cases above too, whose hints say more"
+)
 CONTEXT_HINT = (
     "read exactly the first context_len positions: the request's last block is only partly filled, and"
     " the slots after position context_len - 1 are not written yet and hold stale keys from an earlier owner"
@@ -525,6 +545,7 @@ CASES = [
         " with device=query.device, so the same code runs on a GPU",
         **BF16_CASE,
     ),
+    _case("large scores: the softmax stays finite", LARGE_SCORES_HINT, **LARGE_SCORES_CASE),
     Case("the output stays on the query's device (a GPU's, where there is one)", _on_cuda, DEVICE_HINT),
     property_case("random shapes match dense attention", _strategy, _property, max_examples=40),
 ]

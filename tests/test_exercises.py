@@ -1561,6 +1561,8 @@ class RowByRow(Sampler):
     by_probability = True  # the inverse CDF walks the tokens in decreasing probability
     temper_first = True  # the nucleus is taken from the tempered probabilities
     rescale = True  # the walk compares with uniform times the kept mass
+    falls_to_kept = True  # a walk that falls through draws the last kept token, else the last token of all
+    shifted = True  # the softmax subtracts the largest logit before exp
     strict = True  # the walk stops at the first cumulative probability above the target, not one equal to it
 
     def sample_rows(self, logits, temperature, top_k, top_p, uniform):
@@ -1569,6 +1571,9 @@ class RowByRow(Sampler):
 
     def sample_row(self, logits, temperature, top_k, top_p, uniform):
         probs = (logits / temperature).softmax(-1)
+        if not self.shifted:  # exp of the tempered logits as they are: exp(89) and above is inf in float32
+            exponentials = (logits / temperature).exp()
+            probs = exponentials / exponentials.sum()
         order = self.order(probs)
         keep = set(order)
         by_k = self.top_k_of(probs, order, top_k) if top_k > 0 else keep
@@ -1581,7 +1586,7 @@ class RowByRow(Sampler):
             mass += float(probs[token])
             if mass > target or (mass == target and not self.strict):
                 return token
-        return walk[-1]
+        return walk[-1] if self.falls_to_kept else order[-1]
 
     def order(self, probs):
         return probs.sort(descending=True).indices.tolist()
@@ -1715,6 +1720,44 @@ def test_ex6_a_draw_against_the_uniform_alone_is_named():
         assert "the filters keep the right tokens" in text and "uniform times the kept mass" in text
         assert ">= top_p, not >" not in text and "keep the top_k most likely" not in text
     assert "temperature 1 draws each token with its softmax probability" not in messages  # nothing is cut there
+
+
+class UniformNotRescaledPastTheCut(UniformNotRescaled):
+    """Walks the kept tokens against the uniform alone, and a uniform above the kept mass draws the least likely
+    token of all, as a walk clamped to the vocabulary's last index does: one the filters removed."""
+
+    falls_to_kept = False
+
+
+def test_ex6_a_draw_against_the_uniform_alone_that_falls_past_the_kept_tokens_is_not_blamed_on_the_filters():
+    _, messages = failing(6, UniformNotRescaledPastTheCut)
+    text = messages["top_p keeps the smallest nucleus that reaches top_p"]
+    assert "expected: tokens drawn with shares {0: 0.625, 1: 0.375}" in text
+    assert "for every uniform above the kept mass, 0.8, your sampler drew token 3, which the filters remove" in text
+    text = messages["top_k keeps the k most likely tokens"]  # the kept mass before renormalising: 0.4 + 0.3
+    assert "above the kept mass, 0.7, your sampler drew token 0, which the filters remove: that is what a walk" in text
+    tie = messages["a nucleus whose mass equals top_p exactly keeps no further token"]
+    assert "for every uniform above the kept mass, 0.5, your sampler drew token 3" in tie
+    for text in messages.values():
+        assert "keep the smallest prefix" not in text and ">= top_p, not >" not in text, text
+
+
+class SoftmaxWithoutShift(RowByRow):
+    shifted = False
+
+
+def test_ex6_a_softmax_that_overflows_on_large_logits_is_named():
+    text = only_failure(6, SoftmaxWithoutShift, "large logits: the softmax stays finite")
+    assert "logits = [25.0, 24.9, 0.0]" in text and "logits / temperature = [100.0, 99.6, 0.0]" in text
+    assert "expected: tokens drawn with shares {0: 0.598, 1: 0.403}" in text
+    assert "exp(100) overflows float32 to inf" in text and "Subtract each row's largest logit before exp" in text
+
+
+def test_ex6_a_sampler_wrong_on_large_logits_for_another_reason_is_not_told_they_overflow():
+    _, messages = failing(6, MultipliesTemperature)
+    text = messages["large logits: the softmax stays finite"]
+    assert "even with these logits shifted to a largest of 0 ([0.0, -0.1, -25.0]" in text
+    assert "overflows" not in text
 
 
 def test_ex6_top_k_keeping_a_tie_is_named():

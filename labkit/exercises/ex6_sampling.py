@@ -2,14 +2,15 @@
 
 A row's token is a function of its logits, its parameters and its uniform number, so a case sweeps the
 uniform over a fine grid: the tokens drawn, and how often, are the row's sampling distribution, which
-must equal labkit's. A token the filters should have removed is named outright.
+must equal labkit's. A token the filters should have removed is named outright, unless it is what a walk against
+the uniform alone (not scaled by the kept mass) falls through to, which is named as that.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing, shown
 
@@ -110,6 +111,99 @@ def _alone_fails(cls: Any, probs: list[float], prerequisites: Sequence[tuple[str
     return ""
 
 
+class FallThrough(NamedTuple):
+    """A sweep explained by a walk against the uniform alone: every uniform above the kept ``mass`` drew ``token``.
+    ``ambiguous``: a filter that keeps ``token`` too, with a walk against uniform times the kept mass, draws the
+    same tokens (it is the next token in probability order, and the two masses add up to 1)."""
+
+    token: int
+    mass: float
+    ambiguous: bool
+
+
+def _kept(logits: list[float], params: tuple[float, int, float]) -> tuple[list[int], list[bool], list[list[float]]]:
+    """The row's tokens in order of decreasing probability, which of them labkit keeps, and their probabilities
+    before top-p: as labkit has them after top-k (renormalised by its softmax), and as the softmax of the tempered
+    logits gives them (renormalised by nothing)."""
+    import torch
+
+    temperature, top_k, top_p = params
+    sorted_logits, ids = torch.tensor(logits, dtype=torch.float32).sort(descending=True, stable=True)
+    sorted_logits = (sorted_logits - sorted_logits[0]) / temperature
+    tempered = sorted_logits.softmax(dim=-1)
+    if top_k > 0:
+        sorted_logits[top_k:] = float("-inf")
+    probs = sorted_logits.softmax(dim=-1)
+    keep = ((probs.cumsum(dim=-1) - probs < top_p) & (probs > 0)).tolist()
+    return ids.tolist(), keep, [probs.double().tolist(), tempered.double().tolist()]
+
+
+def _walk(ids: list[int], probs: list[float], scale: float) -> list[int | None]:
+    """The token each uniform of GRID draws walking ``probs`` (in ``ids``' order) against uniform times ``scale``:
+    None where the walk falls through, -1 where the target is too close to a cumulative probability to tell."""
+    cdf, total = [], 0.0
+    for p in probs:
+        total += p
+        cdf.append(total)
+    drawn: list[int | None] = []
+    for uniform in GRID:
+        target = uniform * scale
+        if any(abs(target - c) < 1e-5 for c in cdf):
+            drawn.append(-1)
+            continue
+        index = next((i for i, c in enumerate(cdf) if c > target), None)
+        drawn.append(None if index is None else ids[index])
+    return drawn
+
+
+def _agrees(got: list[int], drawn: list[int | None], by_share: bool) -> set[int] | None:
+    """The tokens ``got`` has where ``drawn`` falls through, when it agrees with ``drawn`` everywhere else (by
+    shares only, with ``by_share``: among equal probabilities the order is the sort's choice); else None."""
+    fell = {t for t, d in zip(got, drawn, strict=True) if d is None}
+    pairs = [(t, d) for t, d in zip(got, drawn, strict=True) if d is not None and d != -1]
+    if by_share:
+        same = sorted(_shares([t for t, _ in pairs]).values()) == sorted(_shares([d for _, d in pairs]).values())
+    else:
+        same = all(t == d for t, d in pairs)
+    return fell if same else None
+
+
+def _unscaled_fall_through(
+    logits: list[float], params: tuple[float, int, float], got: list[int], by_share: bool = False
+) -> FallThrough | None:
+    """How the learner's tokens for the GRID's uniforms are what a walk against the uniform alone gives, not against
+    uniform times the kept mass: below the kept mass the kept token whose cumulative probability first exceeds
+    the uniform, above it one token for all (wherever the walk falls through to). None when they are not, or
+    nothing is cut (the kept mass is 1)."""
+    ids, keep, candidates = _kept(logits, params)
+    num_kept = sum(keep)  # the first num_kept tokens in probability order
+    for probs in candidates:
+        kept = [p if k else 0.0 for p, k in zip(probs, keep, strict=True)]
+        mass = sum(kept)
+        fell = _agrees(got, _walk(ids, kept, 1.0), by_share)
+        if mass > 1 - 1e-6 or fell is None or len(fell) != 1:
+            continue
+        token = fell.pop()
+        ambiguous = False
+        if num_kept < len(ids) and token == ids[num_kept]:  # one more token kept, and the walk scaled, draws alike?
+            wider = [*kept[:num_kept], probs[num_kept], *kept[num_kept + 1 :]]
+            ambiguous = _agrees(got, _walk(ids, wider, sum(wider)), by_share) == set()
+        return FallThrough(token, mass, ambiguous)
+    return None
+
+
+def _rescale_hint(token: int, mass: float, expected: list[int]) -> str:
+    """RESCALE_HINT, after what a walk against the uniform alone drew above the kept ``mass``."""
+    drew = f"for every uniform above the kept mass, {mass:.3g}, your sampler drew token {token}"
+    if token in expected:
+        walk = "as a walk against the uniform alone does when it falls through to the last kept token"
+        return f"{drew}, {walk}; {RESCALE_HINT}"
+    return (
+        f"{drew}, which the filters remove: that is what a walk against the uniform alone does, where no kept token's"
+        f" cumulative probability exceeds such a uniform. {RESCALE_RULE[0].upper()}{RESCALE_RULE[1:]}"
+    )
+
+
 def distribution_case(
     name: str,
     hint: str,
@@ -123,13 +217,26 @@ def distribution_case(
     its own; when the sampler gets one of those wrong alone, the failure says so before its own hint."""
 
     def run(cls: Any) -> None:
-        text, got, expected = _sweep(cls, probs, (temperature, top_k, top_p))
+        params = (temperature, top_k, top_p)
+        text, got, expected = _sweep(cls, probs, params)
         if got != expected and (first := _alone_fails(cls, probs, prerequisites)):
             want, have = f"tokens drawn with shares {_shares(expected)}", f"shares {_shares(got)}"
             raise Mismatch(text, want, have, first + hint)
+        # Right alone on a simpler setting that cuts too, a walk against the uniform alone would have failed it.
+        cut_alone = any(k > 0 or p < 1 for _, (_, k, p) in prerequisites)
+        fell = None if cut_alone else _unscaled_fall_through([math.log(p) for p in probs], params, got)
+        if got != expected and fell is not None and not fell.ambiguous:
+            want, have = f"tokens drawn with shares {_shares(expected)}", f"shares {_shares(got)}"
+            raise Mismatch(text, want, have, _rescale_hint(fell.token, fell.mass, expected))
         if got != expected:
             removed = sorted(set(got) - set(expected))
             note = f"your sampler drew token(s) {removed}, which the filters remove. " if removed else ""
+            if removed and fell is not None:  # a filter that keeps it, or a walk that falls through to it
+                note = (
+                    f"your sampler drew token(s) {removed}, which the filters remove: either a filter keeps it, or"
+                    f" your walk compares with the uniform alone, not uniform times the kept mass ({fell.mass:.3g}),"
+                    " and falls through to it. "
+                )
             missing = sorted(set(expected) - set(got))
             note += f"It never drew token(s) {missing}, which should stay. " if missing else ""
             if _shares(got) != _shares(expected):
@@ -157,6 +264,9 @@ def tie_case(name: str, hint: str, probs: list[float], top_k: int, top_p: float,
         if got != expected:
             want = f"{len(expected)} of the {len(probs)} tokens drawn, shares {expected}"
             have = f"{len(got)} of the {len(probs)} tokens drawn, shares {got}"
+            fell = _unscaled_fall_through([math.log(p) for p in probs], (1.0, top_k, top_p), tokens, by_share=True)
+            if fell is not None and not fell.ambiguous:
+                raise Mismatch(text, want, have, _rescale_hint(fell.token, fell.mass, reference_tokens))
             if len(got) == len(expected):
                 raise Mismatch(text, want, have, RESCALE_HINT)
             raise Mismatch(text, want, have, fewer_hint if len(got) < len(expected) and fewer_hint else hint)
@@ -225,6 +335,43 @@ def _batch_invariance(cls: Any) -> None:
         )
 
 
+# Logits far from 0, as a model's can be: at temperature 0.25 they are [100, 99.6, 0], and exp(100) is inf in float32.
+LARGE_LOGITS = [25.0, 24.9, 0.0]
+LARGE_PARAMS = (0.25, 0, 1.0)
+
+
+def _large_logits(cls: Any) -> None:
+    """LARGE_LOGITS swept over GRID must draw as labkit's sampler does (token 0 about 60% of the time, token 1 40%).
+
+    A sampler that is wrong on the same logits shifted to a largest of 0 is told to fix that first: its mistake
+    is not the overflow."""
+    from labkit.runtime.sampling import Sampler
+
+    temperature, top_k, top_p = LARGE_PARAMS
+    scaled = [round(x / temperature, 3) for x in LARGE_LOGITS]
+    text = (
+        f"logits = {LARGE_LOGITS}\ntemperature={temperature} (logits / temperature = {scaled}), top_k={top_k},"
+        f" top_p={top_p}; uniform swept over {len(GRID)} values in (0, 1)"
+    )
+    showing(text)
+    sampler = cls()
+    batch = _grid(LARGE_LOGITS, LARGE_PARAMS)
+    got, expected = _draw(sampler, *batch), _draw(Sampler(), *batch)
+    if got == expected:
+        return
+    _check_repeatable(text, sampler, batch, got)
+    want, have = f"tokens drawn with shares {_shares(expected)}", f"shares {_shares(got)}"
+    shifted = _grid([x - max(LARGE_LOGITS) for x in LARGE_LOGITS], LARGE_PARAMS)
+    if _draw(cls(), *shifted) != _draw(Sampler(), *shifted):
+        hint = (
+            "your sampler draws otherwise than labkit's even with these logits shifted to a largest of 0"
+            f" ({[round(x - max(LARGE_LOGITS), 3) for x in LARGE_LOGITS]}, the same probabilities), so its mistake is"
+            " not the size of the logits: fix the cases above first"
+        )
+        raise Mismatch(text, want, have, hint)
+    raise Mismatch(text, want, have, OVERFLOW_HINT)
+
+
 SETTINGS = [(1.0, 0, 1.0), (0.5, 0, 1.0), (2.0, 0, 1.0), (1.0, 2, 1.0), (1.0, 0, 0.75), (2.0, 3, 0.9)]
 
 
@@ -287,9 +434,13 @@ def _property(cls: Any, example: Any) -> None:
     got = _draw(sampler, *batch)
     if got != expected:
         sweep = _grid(logits, params)
-        _check_repeatable(text, sampler, sweep, _draw(sampler, *sweep))
+        swept = _draw(sampler, *sweep)
+        _check_repeatable(text, sampler, sweep, swept)
         wrong = next(token for token in got if token != expected[0])
-        raise Mismatch(text, f"token {expected[0]}", f"token {wrong}", STEPS_HINT)
+        fell = _unscaled_fall_through(logits, params, swept)
+        unscaled = fell is not None and not fell.ambiguous
+        hint = _rescale_hint(fell.token, fell.mass, _draw(Sampler(), *sweep)) if unscaled else STEPS_HINT
+        raise Mismatch(text, f"token {expected[0]}", f"token {wrong}", hint)
 
 
 PER_ROW_HINT = (
@@ -326,11 +477,17 @@ TOP_P_TIE_HINT = (
     " dropped. Drop a token when the mass before it is >= top_p, not > (which of the equally likely tokens"
     " stay does not matter here)"
 )
-RESCALE_HINT = (
-    "the filters keep the right tokens, but they are drawn in other proportions: the kept tokens' probabilities"
-    " add up to less than 1 once top-k or top-p has cut some, so take the first token whose cumulative"
-    " probability exceeds uniform times the kept mass (or renormalise the kept probabilities first); against"
-    " the uniform alone, every uniform above the kept mass falls through the walk"
+RESCALE_RULE = (
+    "the kept tokens' probabilities add up to less than 1 once top-k or top-p has cut some, so take the first token"
+    " whose cumulative probability exceeds uniform times the kept mass (or renormalise the kept probabilities"
+    " first); against the uniform alone, every uniform above the kept mass falls through the walk"
+)
+RESCALE_HINT = f"the filters keep the right tokens, but they are drawn in other proportions: {RESCALE_RULE}"
+OVERFLOW_HINT = (
+    "with these logits shifted to a largest of 0 your sampler draws as labkit's, so the size of the logits breaks"
+    " it: exp(100) overflows float32 to inf, and inf / inf is NaN. Subtract each row's largest logit before exp"
+    " (logits - logits.amax(dim=-1, keepdim=True)), which leaves the probabilities as they are, or use"
+    " torch.softmax, which does"
 )
 STRICT_CDF = (
     "take the first token whose cumulative probability exceeds uniform times the kept mass, strictly"
@@ -435,6 +592,7 @@ CASES = [
             ("top_p keeps the smallest nucleus that reaches top_p", (1.0, 0, 0.5)),
         ],
     ),
+    Case("large logits: the softmax stays finite", _large_logits, OVERFLOW_HINT),
     Case("each row of a batch uses its own temperature, top_k and top_p", _own_parameters, PER_ROW_HINT),
     Case(
         "a row draws the same token alone and in a batch",

@@ -1989,6 +1989,14 @@ class NoBatchOfOne(LearnerStatic):
         return (len(batch) + 1) * longest <= self.config.max_batch_tokens
 
 
+class RefusesAnExactFit(LearnerStatic):
+    """Ends the batch when its padded rows would come to max_batch_tokens exactly (>= where the contract says >)."""
+
+    def fits(self, batch, request):
+        longest = max([r.num_prompt_tokens for r in batch] + [request.num_prompt_tokens])
+        return not batch or (len(batch) + 1) * longest < self.config.max_batch_tokens
+
+
 class ReservesTheLastToken(LearnerStatic):
     def reserve(self, request):
         return request.num_prompt_tokens + request.params.max_new_tokens
@@ -2042,6 +2050,10 @@ def test_ex7_planted_mistakes_are_named():
     assert list(last) == ["the last generated token needs no slot"]
     text = last["the last generated token needs no slot"]
     assert "admitted [0, 1, 2]" in text and "admitted [0, 1]" in text and "never fed back" in text
+    _, exact = failing(7, RefusesAnExactFit)
+    text = exact["a batch whose padded rows are exactly max_batch_tokens fits"]
+    assert "expected: step 1: prefill r0 [0:6]; prefill r1 [0:6]; admitted [0, 1]" in text
+    assert "got:      step 1: prefill r0 [0:6]; admitted [0]" in text and "(>, not >=)" in text
     _, unallocated = failing(7, NeverAllocates)
     text = unallocated["random workloads form the batches labkit forms"]
     assert "step 1 schedules r0 [0:1], but r0's blocks hold 0 tokens" in text and "raised" not in text

@@ -19,6 +19,10 @@ RESERVE_HINT = (
     "reserve each member's whole future up front: allocator.allocate(request_id,"
     " num_prompt_tokens + params.max_new_tokens - 1) (the last token is never fed back, so it needs no slot)"
 )
+EXACT_FIT_HINT = (
+    "a batch whose padded prompt rows come to exactly max_batch_tokens fits: admit while (members + 1) x the"
+    " longest prompt <= max_batch_tokens, and stop only when it is more (>, not >=)"
+)
 ORDER_HINT = (
     "the first waiting request that does not fit, whether its padded rows or its blocks, ends the batch (break):"
     " never skip ahead of it to a later, smaller one"
@@ -102,6 +106,12 @@ CASES = [
         [(3, 2), (10, 2), (4, 2), (2, 2)],
         PADDING_HINT,
         max_batch_tokens=24,
+    ),
+    _case(
+        "a batch whose padded rows are exactly max_batch_tokens fits",
+        [(6, 2), (6, 2)],
+        EXACT_FIT_HINT,
+        max_batch_tokens=12,
     ),
     _case(
         "each member reserves its prompt and every token it may generate",

@@ -2063,11 +2063,19 @@ def test_ex7_planted_mistakes_are_named():
 class BigEndianHash(PrefixCache):
     """Packs the token ids big-endian: a digest no other engine (or trace) agrees with."""
 
-    @staticmethod
-    def block_hash(parent, token_ids):
+    packing = ">{}q"  # struct's format for n token ids
+
+    @classmethod
+    def block_hash(cls, parent, token_ids):
         digest = hashlib.sha256(parent or b"")
-        digest.update(struct.pack(f">{len(token_ids)}q", *token_ids))
+        digest.update(struct.pack(cls.packing.format(len(token_ids)), *token_ids))
         return digest.digest()
+
+
+class FourByteTokens(BigEndianHash):
+    """Packs each token id in 4 bytes ('i'), not 8 ('q'): every digest differs, a first block's too."""
+
+    packing = "<{}i"
 
 
 class UnchainedHash(PrefixCache):
@@ -2184,6 +2192,14 @@ def test_ex8_planted_mistakes_are_named():
     assert "return at the first miss" in messages["match stops at the first block that misses"]
     _, messages = failing(8, EveryMissIsNew)
     assert "miss='evicted'" in messages["a miss says why: short, evicted or new"]
+
+
+def test_ex8_a_first_block_packed_otherwise_is_blamed_on_the_packing_not_on_the_chaining():
+    _, messages = failing(8, FourByteTokens)
+    text = messages["block_hash chains each block to its parent's digest"]
+    assert "input:    block_hash(None, [1, 2, 3, 4])\n" in text
+    assert "the digest of a first block, which has no parent (None), already differs" in text
+    assert "'q' an 8-byte int" in text and "hash the parent block's digest first" not in text
 
 
 def test_ex8_a_hit_confirmed_without_its_parent_is_named():

@@ -37,6 +37,9 @@ BAD_REQUESTS = [
     ([5, True], GREEDY, TypeError, "must be ints"),
     ("hello", GREEDY, TypeError, "no tokenizer"),
     (5, GREEDY, TypeError, "prompt must be"),
+    (b"hi", GREEDY, TypeError, "got bytes"),
+    (bytearray(b"hi"), GREEDY, TypeError, "got bytearray"),  # raw bytes are no token ids, whatever their type
+    (memoryview(b"hi"), GREEDY, TypeError, "got memoryview"),
     ([5] * 129, GREEDY, ValueError, "maximum length"),
     ([5] * 120, SamplingParams(max_new_tokens=20), ValueError, "maximum length"),
     ([5] * 100, GREEDY, ValueError, "whole KV cache"),

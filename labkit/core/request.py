@@ -236,8 +236,8 @@ def check_request_length(num_prompt_tokens: int, params: SamplingParams, max_mod
 
 
 def is_token_sequence(value: object) -> bool:
-    """Whether ``value`` can be a prompt of token ids: a sized iterable that is not text, a mapping or a set."""
-    if isinstance(value, (str, bytes, Mapping, Set)):
+    """Whether ``value`` can be a prompt of token ids: a sized iterable that is not text, bytes, a mapping or a set."""
+    if isinstance(value, (str, bytes, bytearray, memoryview, Mapping, Set)):
         return False
     return hasattr(value, "__len__") and hasattr(value, "__iter__") and getattr(value, "ndim", 1) == 1
 

@@ -612,6 +612,16 @@ def test_a_thinned_out_throughput_plot_keeps_its_peaks_and_dips_and_ends_where_t
 
 
 # ---------------------------------------------------------------------------------------------- recorder
+def test_thinning_keeps_each_extreme_at_the_last_step_that_had_it() -> None:
+    """A batch that shrank from 5 to 1 halfway through a bucket was drawn at 1 from the bucket's start: a line in
+    steps holds a kept value back to the point kept before it, and the first step with each extreme was kept."""
+    from labkit.viz.throughput import _thinned
+
+    times, values = list(range(20)), [5] * 10 + [1] * 10
+    assert _thinned(times, values, 20) == ([9, 19], [5, 1])
+    assert _thinned(times, [1] * 10 + [5] * 10, 20) == ([9, 19], [1, 5])
+
+
 def test_recorder_saves_metadata_and_reloads(tmp_path: Path) -> None:
     engine = make_engine("static")
     recorder = record(engine)

@@ -245,13 +245,16 @@ class LiveThroughput(Displayable):
 
 def _thinned(times: list[float], values: list[float], stride: int) -> tuple[list[float], list[float]]:
     """Each run of ``stride`` points as its lowest and its highest (in time order), and the last point: a
-    thinned-out plot keeps the run's peaks and dips, and still ends where the run ended."""
+    thinned-out plot keeps the run's peaks and dips, and still ends where the run ended. Each extreme is taken
+    at the last point that has it: a line drawn in steps ("vh") holds a kept value back to the point kept before
+    it, so the first point would draw a change up to a bucket before it happened."""
     if stride == 1:
         return times, values
     keep: list[int] = []
     for start in range(0, len(values), stride):
         bucket = range(start, min(start + stride, len(values)))
-        keep += sorted({min(bucket, key=values.__getitem__), max(bucket, key=values.__getitem__)})
+        newest_first = bucket[::-1]  # min and max keep the first extreme they meet: here, the last in time
+        keep += sorted({min(newest_first, key=values.__getitem__), max(newest_first, key=values.__getitem__)})
     if keep[-1] != len(values) - 1:
         keep.append(len(values) - 1)
     return [times[i] for i in keep], [values[i] for i in keep]

@@ -42,3 +42,28 @@ def test_every_python_block_of_the_readme_runs(tmp_path, monkeypatch):
         compiled = compile(code, f"README.md, the block at line {line}", "exec")
         if runs:
             exec(compiled, namespace)
+
+
+def test_the_sample_speech_is_what_the_engine_samples_with_the_call_shown():
+    """The README's sample of the bundled model had drifted from what any seed gave: it is checked against the call
+    the README names."""
+    from labkit import Engine, SamplingParams
+    from labkit.models import load
+
+    text = README.read_text()
+    call = re.search(
+        r"`Engine\(model, tokenizer=tokenizer\)\.generate\((\[.*?\]),\s*SamplingParams\((.*?)\)\)`", text, re.S
+    )
+    assert call, "the README names the call that sampled its speech"
+    prompts = [p.encode().decode("unicode_escape") for p in re.findall(r'"(.*?)"', call.group(1))]
+    options = dict(re.findall(r"(\w+)=([\w.]+)", call.group(2)))
+    params = SamplingParams(
+        temperature=float(options["temperature"]),
+        seed=int(options["seed"]),
+        max_new_tokens=int(options["max_new_tokens"]),
+    )
+    sample = re.search(r"gives, after each prompt:\n\n```text\n(.*?)```", text, re.S)
+    assert sample, "the sample follows the call"
+    model, tokenizer = load("tiny-shakespeare")
+    outputs = Engine(model, tokenizer=tokenizer).generate(prompts, params)
+    assert "\n".join(p + o.text + "\n" for p, o in zip(prompts, outputs, strict=True)) == sample.group(1)

@@ -19,7 +19,6 @@ from labkit.core.report import StepReport, summarize_run
 from labkit.core.request import RequestOutput
 from labkit.exercises.command import main as check_main
 from labkit.serving.bench.cli import main as bench_main
-from labkit.serving.workloads import check_num_requests
 
 USAGE = """usage: labkit {demo,bench,check} [options]
 
@@ -170,10 +169,8 @@ def demo_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", help="'auto' (CUDA if present), 'cpu' or 'cuda' (default auto)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1; set explicitly)")
     args = parser.parse_args(argv)
-    try:
-        check_num_requests(args.num_requests)
-    except ValueError as error:  # named by its flag, as labkit bench names it
-        parser.error(str(error).replace("num_requests", "--num-requests", 1))
+    if args.num_requests < 1:
+        parser.error(f"--num-requests must be >= 1, got {args.num_requests}")
     if args.steps < 0:
         parser.error(f"--steps must be >= 0, got {args.steps}")
     if args.threads < 1:

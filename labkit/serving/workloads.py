@@ -259,7 +259,7 @@ def make_workload(
     if sampler is None:
         raise ValueError(f"unknown workload {name!r}; choose from {sorted(WORKLOADS)}")
     n = DEFAULT_NUM_REQUESTS if num_requests is None else num_requests
-    check_num_requests(n)
+    _check_positive("num_requests", n)
     _check_count("seed", seed)
     n, seed = int(n), int(seed)  # numpy's integers too
     _check_options(name, sampler, options)
@@ -300,11 +300,6 @@ def _check_options(name: str, sampler: LengthSampler, options: dict[str, Any]) -
     for option in options:
         if option not in known:
             raise ValueError(f"unknown option {option!r} for workload {name!r}; it takes {sorted(known)}")
-
-
-def check_num_requests(n: object) -> None:
-    """A workload's request count must be an int >= 1: one check and one message, shared with ``labkit demo``."""
-    _check_positive("num_requests", n)
 
 
 def _check_count(name: str, value: object) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import html
+import itertools
 import json
 import math
 import random
@@ -951,6 +952,27 @@ def test_a_reusable_or_shared_block_looks_like_no_request_block() -> None:
         nearest = min(np.linalg.norm(shade - rgb(flat)) for shade in shades)
         assert nearest > 25, f"{flat} is {nearest:.0f} from a request's shade"
     assert np.linalg.norm(rgb(blockmap_module.REUSABLE_COLOR) - rgb(blockmap_module.FREE_COLOR)) > 25
+
+
+def _lab(color: str) -> np.ndarray:
+    """CIELAB (D65) of a hex colour: distances in it follow what the eye sees, unlike distances in RGB."""
+    srgb = np.array([int(color.lstrip("#")[i : i + 2], 16) for i in (0, 2, 4)]) / 255
+    linear = np.where(srgb > 0.04045, ((srgb + 0.055) / 1.055) ** 2.4, srgb / 12.92)
+    xyz = np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722], [0.0193, 0.1192, 0.9505]]) @ linear
+    f = np.cbrt(np.maximum(xyz / np.array([0.95047, 1.0, 1.08883]), 0.008856))
+    return np.array([116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])])
+
+
+def test_request_colours_are_told_apart_and_an_empty_block_from_a_free_one() -> None:
+    """Two requests never share a near-identical colour (delta E 20 or more), and the palest shade of each, an
+    owned block with no slot filled yet, stays visibly apart from a free block's grey."""
+    for (i, a), (j, b) in itertools.combinations(enumerate(PALETTE), 2):
+        distance = np.linalg.norm(_lab(a) - _lab(b))
+        assert distance >= 20, f"colours {i} ({a}) and {j} ({b}) are {distance:.1f} apart"
+    free = _lab(blockmap_module.FREE_COLOR)
+    for color in PALETTE:
+        distance = np.linalg.norm(_lab(blockmap_module._tint(color, blockmap_module.EMPTY_SHADE)) - free)
+        assert distance >= 9, f"an empty block of {color} is {distance:.1f} from a free one"
 
 
 def test_committed_notebooks_carry_no_widget_state_and_fall_back_to_figures() -> None:

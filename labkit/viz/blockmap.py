@@ -27,7 +27,13 @@ from labkit.viz._display import Displayable
 from labkit.viz.replay import BlockCell, CacheHistory, CacheState, RequestRow
 from labkit.viz.sources import as_recorder
 
-PALETTE = [*qualitative.Plotly, *(c for c in qualitative.D3 if c.upper() != "#7F7F7F")]  # no grey: grey is free
+# Request colours: plotly's ten, then ten darker ones from its Dark24 and G10, each picked to be as far as it can
+# from every colour before it and from the greys (CIE76 delta E of at least 33), so that neighbouring requests and
+# an empty block against a free one are told apart.
+PALETTE = [
+    *qualitative.Plotly,
+    *("#620042", "#6C4516", "#FB00D1", "#511CFB", "#2E91E5", "#109618", "#0D2A63", "#6C7C32", "#1616A7", "#750D86"),
+]
 FREE_COLOR = "#e6e6e6"
 # Free, but holds a cached prefix that a later request can reuse. Grey, as free is: every hue is some request's,
 # and a pale green was an empty block of a green request.

@@ -39,7 +39,8 @@ class MyBlockAllocator(BlockAllocator):
         Take ``self.blocks_needed(request_id, num_tokens)`` blocks from the *front* of ``self.free_blocks``,
         give each reference count 1 and an "alloc" event, append them to the end of the request's block table
         (creating it, even empty, if the request has none; never replace an existing one) and set
-        ``self.num_slots[request_id]`` to ``num_tokens`` if that is more than before.
+        ``self.num_slots[request_id]`` to ``max(num_tokens, what it was)``: a new request gets its entry
+        even for 0 tokens, as it gets its (empty) block table.
         All or nothing: if too few blocks are free, raise NoFreeBlocksError and change nothing.
         """
         raise NotImplementedError("Exercise 1")

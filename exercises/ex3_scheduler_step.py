@@ -2,11 +2,13 @@
 
 Before every model step the scheduler *plans* which requests run and how many tokens each computes.
 All of them share one budget, ``self.config.max_batch_tokens``. Fill in ``schedule_continuous``; the
-state it reads and the helpers it calls are labkit's (``labkit.core.scheduler.Scheduler``):
+state it reads and the helpers it calls are labkit's (``labkit.core.scheduler.Scheduler``, whose own
+``schedule_continuous`` is this exercise's answer: read the helpers, not that method, until you are done):
 
 * ``self.running``: requests in the batch, in admission order; ``self.waiting``: the waiting queue, in arrival
   order except that a preempted request goes back to its front (iterate over it);
-* ``self.allocator``: the block allocator (``blocks_needed``, ``num_free_blocks``, ``can_allocate``, ``allocate``);
+* ``self.allocator``: the block allocator (``blocks_needed``, ``can_allocate``, ``allocate``, each taking
+  ``request.request_id`` first, and the property ``num_free_blocks``);
 * ``request.num_tokens`` (prompt + generated so far) and ``request.num_computed_tokens`` (already in the cache);
 * ``output.add_chunk(request, start, n, is_prefill)``: plan the request's tokens ``start .. start + n - 1``;
 * ``output.admitted.append(request)``: plan to admit a waiting request;
@@ -32,21 +34,21 @@ class MyScheduler(Scheduler):
         1. Running requests first, in order, while the budget is positive: each gets ``n = min(remaining,
            budget)`` tokens from ``request.num_computed_tokens`` on, where remaining is ``num_tokens -
            num_computed_tokens`` (1 for a decoding request; ``is_prefill`` is ``request.state is
-           RequestState.PREFILLING``; without
-           ``config.chunked_prefill`` remaining is always 1: a whole prompt goes in at admission). First make
-           room: while ``allocator.blocks_needed(request_id, num_computed_tokens + n)`` is more than
-           ``allocator.num_free_blocks``, preempt the youngest running request not yet preempted
-           (``self.preempt(output, victim)``; its blocks are free at once). If that victim was this request
-           itself, it gets no chunk: stop the walk there (every younger request is preempted already).
-           Otherwise grow its blocks with ``allocator.allocate(request_id, num_computed_tokens + n)`` and plan
-           its chunk.
+           RequestState.PREFILLING``; without ``config.chunked_prefill`` remaining is always 1: a whole prompt
+           goes in at admission). First make room: while ``allocator.blocks_needed(request.request_id,
+           num_computed_tokens + n)`` is more than ``allocator.num_free_blocks``, preempt the youngest running
+           request not yet in ``output.preempted`` (``self.preempt(output, victim)``; its blocks are free at
+           once). If that victim was this request itself, it gets no chunk: stop the walk there (every younger
+           request is preempted already). Otherwise grow its blocks with
+           ``allocator.allocate(request.request_id, num_computed_tokens + n)`` and plan its chunk.
         2. Then, unless this step preempted (the victims' blocks are for the running requests, not for a
            newcomer), admit waiting requests from the front, in order, while the budget is positive,
-           ``len(self.running) + len(output.admitted) < config.max_num_seqs``, the first chunk fits and the
-           allocator can allocate it. That chunk is ``n = min(request.num_tokens, budget)`` tokens from 0
-           (the whole ``num_tokens`` without chunked prefill): a request preempted earlier recomputes its
-           prompt and the tokens it generated, not just its prompt. Allocate, then
-           ``output.admitted.append(request)`` and ``output.add_chunk(request, 0, n, True)``.
+           ``len(self.running) + len(output.admitted) < config.max_num_seqs``, its first chunk fits the budget
+           (without chunked prefill the whole ``num_tokens`` must) and the allocator can allocate it. That
+           chunk is ``n = min(request.num_tokens, budget)`` tokens from 0 (the whole ``num_tokens`` without
+           chunked prefill): a request preempted earlier recomputes its prompt and the tokens it generated,
+           not just its prompt. Allocate, then ``output.admitted.append(request)`` and
+           ``output.add_chunk(request, 0, n, True)``.
         The chunks never total more than ``config.max_batch_tokens``, and none is empty (0 tokens).
 
         A step that fails after planning (the model raises) is rolled back, but it may already have written

@@ -484,7 +484,7 @@ def run_in_lockstep(
         if not ref.has_unfinished() and not mine.has_unfinished():
             return
         so_far = "\n".join([setup, *history(done)])
-        showing(f"{so_far}\n(in step {len(done) + 1})")
+        showing(f"{so_far}\n(in step {mine.scheduler.step_index + 1})")
         expected = ref.step()
         want = f"step {expected.step}: {show(expected)}"
         try:

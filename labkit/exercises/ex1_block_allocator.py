@@ -76,8 +76,8 @@ FREE_ORDER_HINT = (
 
 NUM_SLOTS_HINT = (
     "num_slots[request_id] is how many token slots the request has claimed: allocate sets it to num_tokens"
-    " when that is more than before (never lower), and free removes the request from num_slots as well as"
-    " from block_tables"
+    " when that is more than before (never lower), a new request's entry too, even for 0 tokens, as it"
+    " gets its empty block table; and free removes the request from num_slots as well as from block_tables"
 )
 
 

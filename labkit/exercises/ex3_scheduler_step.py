@@ -150,12 +150,13 @@ def _after_a_failed_step(
         f" the engine rolls it back (scheduler.rollback(output)); then r{aborted} is aborted{why}"
     )
     showing(setup)
+    want = f"step {failing}'s plan, made before the model fails, preempts [2]"
     for engine in (mine, ref):
-        output = planned(engine, setup, f"step {failing}'s plan preempts [2]")
+        output = planned(engine, setup, want)
         engine.scheduler.rollback(output)
         victims = [r.request_id for r in output.preempted]
         if victims != [2]:
-            raise Mismatch(setup, f"step {failing}'s plan preempts [2]", f"it preempts {victims}", EVICT_FIRST_HINT)
+            raise Mismatch(setup, want, f"it preempts {victims}", EVICT_FIRST_HINT)
         engine.abort(aborted)
     run_in_lockstep(mine, ref, setup, hint, rules=RULES, diagnose=False)
 

@@ -343,6 +343,28 @@ def test_other_sizes_name_notebooks_and_their_parameters() -> None:
             assert name in defaults and value != defaults[name], f"{stem}: {name}={value!r} is not another value"
 
 
+@pytest.mark.parametrize("path", ALL, ids=_ids(ALL))
+def test_no_cell_overwrites_a_parameter(path: Path) -> None:
+    """A parameter is set in its cell alone: a later cell that assigns the name at top level would undo what a
+    learner, or the papermill run with other values, chose (a demo's block size of 4 once ran the engine too)."""
+    nb = _read(path)
+    names = set(_parameters(nb))
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or "parameters" in cell.metadata.get("tags", []):
+            continue
+        lines = cell.source.splitlines()  # a shell or magic line (the install cell's !pip) parsed as a pass
+        code = "\n".join(re.sub(r"^(\s*)[%!].*", r"\1pass", line) for line in lines)
+        for node in ast.parse(code).body:
+            targets = {
+                ast.Assign: lambda n: n.targets,
+                ast.AnnAssign: lambda n: [n.target],
+                ast.AugAssign: lambda n: [n.target],
+                ast.For: lambda n: [n.target],
+            }.get(type(node), lambda n: [])(node)
+            assigned = {name.id for target in targets for name in ast.walk(target) if isinstance(name, ast.Name)}
+            assert not assigned & names, f"cell {index} assigns the parameter(s) {sorted(assigned & names)}"
+
+
 @pytest.mark.notebooks
 @pytest.mark.parametrize("path", ALL, ids=_ids(ALL))
 def test_notebook_runs_with_other_parameters(path: Path, tmp_path: Path) -> None:

@@ -1,6 +1,8 @@
 """Exercise 1 · Block allocator: hand out KV-cache blocks from a free queue, and take them back.
 
-Fill in ``allocate`` and ``free``; everything else (``__init__``, ``blocks_needed``, ``slot``, ...) is labkit's.
+Fill in ``allocate`` and ``free``; everything else (``__init__``, ``blocks_needed``, ``slot``, ...) is labkit's
+(``labkit.core.blocks.BlockAllocator``, whose own ``allocate`` and ``free`` are this exercise's answer: read the
+rest, not them, until you are done).
 labkit's ``append_slot(request_id)`` (one more token, a decode step) calls your ``allocate(request_id,
 num_slots + 1)`` and then looks the new token's block up in the block table, so it relies on ``allocate``
 growing the table.

@@ -6,7 +6,8 @@ preempt the youngest running request. A step is a plan and then a commit, so pre
 * ``preempt(output, victim)``, while planning: free the victim's blocks and list it in the plan;
 * ``requeue_preempted(victim)``, while committing (``update``, after the model ran): the victim waits again.
 
-Fill in both. The state they use is labkit's (``labkit.core.scheduler.Scheduler``): ``self.allocator.free``,
+Fill in both. The state they use is labkit's (``labkit.core.scheduler.Scheduler``, whose own two methods are
+this exercise's answer: read its state, not them, until you are done): ``self.allocator.free``,
 ``self.waiting`` (the waiting queue, the front one next; ``appendleft`` and ``append`` as on a deque),
 ``victim.num_computed_tokens``, ``victim.state``, ``victim.metrics.num_preemptions``.
 

@@ -4,14 +4,17 @@ engine's seams give labkit's own tokens."""
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import json
 import operator
 import os
 import re
+import signal
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,6 +63,23 @@ def test_where_labkit_is_installed_without_the_repository_start_writes_the_stubs
     mine.write_text("# my work\n")
     assert start_exercise(1) == Path.cwd() / "exercises" / get(1).filename and mine.read_text() == "# my work\n"
     assert "Your file for exercise 1 is exercises/ex1_block_allocator.py" in capsys.readouterr().out
+
+
+def test_start_refuses_stubs_that_hold_a_solution(tmp_path, monkeypatch):
+    """The stubs travel in the wheel as links to exercises/: a wheel built from a checkout with solved exercises
+    would hand its solutions to every learner as stubs. start_exercise refuses those instead of writing them."""
+    import labkit.exercises as package
+
+    solved = tmp_path / "package"
+    (solved / "stubs").mkdir(parents=True)
+    (solved / "stubs" / get(2).filename).write_text(DELEGATING_SLOT_MAPPING)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(framework, "LABKIT_DIR", tmp_path / "site-packages" / "labkit")  # no repository beside it
+    monkeypatch.delenv(framework.EXERCISES_DIR_ENV, raising=False)
+    monkeypatch.setattr(package, "files", lambda name: solved)
+    with pytest.raises(RuntimeError, match="holds a solution, not stubs"):
+        start_exercise(2)
+    assert not (tmp_path / "exercises" / get(2).filename).exists()
 
 
 @pytest.mark.parametrize("number", NUMBERS)
@@ -2263,18 +2283,72 @@ def test_a_learner_error_is_shown_as_the_learners_own_without_labkit_frames():
     assert "labkit/exercises" in verbose  # the whole traceback when asked
 
 
+def test_a_case_that_runs_too_long_is_stopped_and_the_cases_after_it_are_not_run(monkeypatch):
+    """An endless loop in a learner's code would hang the check, and an instructor's run over a class's files:
+    the case is stopped after CASE_SECONDS, showing where it was, and the exercise's later cases are not run."""
+    monkeypatch.setattr(framework, "CASE_SECONDS", 0.5)
+
+    def endless(segments, block_size, scratch_slot):
+        while True:
+            pass
+
+    start = time.perf_counter()
+    result = check(2, endless, quiet=True)
+    assert time.perf_counter() - start < 10
+    first, *rest = result.failures
+    assert first.kind == "out of time" and "in endless" in first.traceback and "while True" in first.traceback
+    assert len(rest) == result.num_cases - 1 and all(f.got.startswith("not run") for f in rest)
+    assert result.num_passed == 0 and result.status == "failing"
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # no alarm left set after the check
+    assert signal.getsignal(signal.SIGALRM) is signal.SIG_DFL
+
+
 def test_check_prints_feedback_and_imports_the_file_afresh(tmp_path, capsys):
     file = tmp_path / "ex2_slot_mapping.py"
     file.write_text("def slot_mapping(segments, block_size, scratch_slot):\n    return []\n")
     result = check(2, path=tmp_path)
     assert result.status == "failing" and "✗ a prompt's first token" in capsys.readouterr().out
-    file.write_text("from labkit.runtime.attention import slot_mapping\n")
+    file.write_text(DELEGATING_SLOT_MAPPING)
     assert check(2, path=tmp_path, quiet=True).passed
     file.write_text("def slot_mapping(:\n")
     broken = check(2, path=tmp_path, quiet=True)
     assert broken.status == "failing" and "your file does not load: SyntaxError" in broken.load_error
     _, _, missing = load_implementation(get(2), tmp_path / "nowhere")
     assert "check(2, slot_mapping)" in missing
+
+
+@pytest.mark.parametrize("exercise", list(exercises().values()), ids=lambda e: f"ex{e.number}")
+def test_a_file_that_hands_in_labkits_own_code_is_not_passed(exercise, tmp_path):
+    """labkit's code passes every check, so a file whose class inherits every seam (``pass`` for a body), or that
+    imports labkit's function, is "not started", and one that leaves a seam out is failing, naming it: a learner
+    who deleted a stub, or an instructor collecting work, would otherwise read "passed"."""
+    reference = exercise.reference()
+    file = tmp_path / exercise.filename
+    if exercise.seams:
+        header = f"from {reference.__module__} import {reference.__name__}\n\n\n"
+        file.write_text(f"{header}class {exercise.export}({reference.__name__}):\n    pass\n")
+    else:
+        file.write_text(f"from {reference.__module__} import {reference.__name__} as {exercise.export}\n")
+    result = check_file(exercise, tmp_path)
+    assert result.status == "not started" and not result.passed, result.load_error
+    assert all(f"{name}()" in result.load_error for name in exercise.seams or [exercise.export])
+    if len(exercise.seams) > 1:
+        kept, *left_out = exercise.seams
+        body = f"    def {kept}(self, *args, **kwargs):\n        return super().{kept}(*args, **kwargs)\n"
+        file.write_text(f"{header}class {exercise.export}({reference.__name__}):\n{body}")
+        result = check_file(exercise, tmp_path)
+        assert result.status == "failing" and all(f"{name}()" in result.load_error for name in left_out)
+        assert f"{kept}()" not in result.load_error
+
+
+def test_each_exercise_names_the_methods_its_stub_defines():
+    """``Exercise.seams`` are the methods of the stub's class (none where the stub is a function): what a learner's
+    file must define itself."""
+    for exercise in exercises().values():
+        tree = ast.parse((STUBS / exercise.filename).read_text())
+        [export] = [n for n in tree.body if getattr(n, "name", None) == exercise.export]
+        methods = tuple(n.name for n in getattr(export, "body", []) if isinstance(n, ast.FunctionDef))
+        assert exercise.seams == methods, exercise.number
 
 
 def test_a_second_save_of_the_same_length_within_the_same_second_is_checked(tmp_path, monkeypatch):
@@ -2291,10 +2365,28 @@ def test_a_second_save_of_the_same_length_within_the_same_second_is_checked(tmp_
     assert load_implementation(get(2), tmp_path)[0]([], 1, 0) == [2]
 
 
+# Files that pass: each defines the exercise's code itself, by calling labkit's (a file that only imports labkit's
+# code is "not started").
+DELEGATING_ALLOCATOR = """from labkit.core.blocks import BlockAllocator
+
+
+class MyBlockAllocator(BlockAllocator):
+    def allocate(self, *args, **kwargs):
+        return super().allocate(*args, **kwargs)
+
+    def free(self, request_id):
+        return super().free(request_id)
+"""
+DELEGATING_SLOT_MAPPING = """from labkit.runtime import attention
+
+
+def slot_mapping(*args):
+    return attention.slot_mapping(*args)
+"""
+
+
 def test_labkit_check_prints_progress_and_json(tmp_path, capsys):
-    (tmp_path / "ex1_block_allocator.py").write_text(
-        "from labkit.core.blocks import BlockAllocator as MyBlockAllocator\n"
-    )
+    (tmp_path / "ex1_block_allocator.py").write_text(DELEGATING_ALLOCATOR)
     for number in NUMBERS[1:]:
         name = get(number).filename
         (tmp_path / name).write_text((STUBS / name).read_text())
@@ -2325,7 +2417,7 @@ def test_labkit_check_watch_checks_an_exercise_again_each_time_its_file_is_saved
     (tmp_path / get(1).filename).write_text((STUBS / get(1).filename).read_text())
     saves = [
         "def slot_mapping(segments, block_size, scratch_slot):\n    return []\n",
-        "from labkit.runtime.attention import slot_mapping\n",
+        DELEGATING_SLOT_MAPPING,
     ]
 
     def learner_at_work(seconds: float) -> None:  # stands in for time.sleep between looks at the files

@@ -28,6 +28,8 @@ from labkit.exercises.framework import (
     Failure,
     Mismatch,
     find_learner_file,
+    labkit_parts,
+    labkit_parts_error,
     learner_frames,
     load_learner,
     property_case,
@@ -66,9 +68,15 @@ def start_exercise(number: int, folder: str | os.PathLike[str] = "exercises") ->
     if found is not None:
         print(f"Your file for exercise {number} is {display_path(found)}: fill in its stubs, then check again.")
         return found
+    stubs = (files(__name__) / "stubs" / exercise.filename).read_text()
+    if f'NotImplementedError("Exercise {number}")' not in stubs:
+        raise RuntimeError(
+            f"labkit's copy of the stubs of exercise {number} holds a solution, not stubs: this installation was"
+            " built from a checkout whose exercises/ were filled in. Build it again from a clean checkout."
+        )
     target = Path(folder) / exercise.filename
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text((files(__name__) / "stubs" / exercise.filename).read_text())
+    target.write_text(stubs)
     print(
         f"Wrote the stubs of exercise {number} to {display_path(target)}: open it (on Colab, from the file browser"
         " on the left), fill them in, save, then check again."
@@ -102,7 +110,8 @@ def check(
 
 
 def load_implementation(exercise: Exercise, path: str | os.PathLike[str] | None = None) -> tuple[Any, str, str]:
-    """(implementation, where it came from, error): the learner's file imported afresh; error "" when it loaded."""
+    """(implementation, where it came from, error): the learner's file imported afresh; error "" when it loaded
+    and defines the exercise's code itself."""
     file = find_learner_file(exercise, path)
     if file is None or not file.is_file():
         where = str(file) if file is not None else f"exercises/{exercise.filename}"
@@ -113,7 +122,7 @@ def load_implementation(exercise: Exercise, path: str | os.PathLike[str] | None 
         )
         return None, where, error
     try:
-        return load_learner(exercise, file), display_path(file), ""
+        implementation = load_learner(exercise, file)
     except Exception as error:  # a syntax error or a missing name in the learner's file
         where = learner_frames(error)
         return (
@@ -121,6 +130,9 @@ def load_implementation(exercise: Exercise, path: str | os.PathLike[str] | None 
             display_path(file),
             f"your file does not load: {type(error).__name__}: {error}" + (f"\n{where}" if where else ""),
         )
+    if parts := labkit_parts(exercise, implementation):  # labkit's own code would pass for the learner's
+        return None, display_path(file), labkit_parts_error(exercise, parts)
+    return implementation, display_path(file), ""
 
 
 def display_path(file: Path) -> str:

@@ -563,4 +563,5 @@ EXERCISE = Exercise(
     export="MyBlockAllocator",
     reference=lambda: BlockAllocator,
     cases=CASES,
+    seams=("allocate", "free"),
 )

@@ -291,4 +291,5 @@ EXERCISE = Exercise(
     export="MyScheduler",
     reference=lambda: Scheduler,
     cases=CASES,
+    seams=("schedule_continuous",),
 )

@@ -263,4 +263,5 @@ EXERCISE = Exercise(
     export="MyScheduler",
     reference=lambda: Scheduler,
     cases=CASES,
+    seams=("preempt", "requeue_preempted"),
 )

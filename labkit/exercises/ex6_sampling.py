@@ -617,4 +617,5 @@ EXERCISE = Exercise(
     export="MySampler",
     reference=_reference,
     cases=CASES,
+    seams=("sample_rows",),
 )

@@ -152,4 +152,5 @@ EXERCISE = Exercise(
     export="MyScheduler",
     reference=lambda: Scheduler,
     cases=CASES,
+    seams=("form_static_batch",),
 )

@@ -357,4 +357,5 @@ EXERCISE = Exercise(
     export="MyPrefixCache",
     reference=lambda: PrefixCache,
     cases=CASES,
+    seams=("block_hash", "match"),
 )

@@ -11,10 +11,14 @@ frames of the learner's code only (``verbose=True`` shows the whole traceback).
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
+import signal
 import sys
+import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,10 @@ LABKIT_DIR = Path(labkit.__file__).resolve().parent
 #: Where the learner's files are looked for when no path is given (besides ./exercises and .).
 EXERCISES_DIR_ENV = "LABKIT_EXERCISES_DIR"
 MAX_SHOWN = 600  # characters of one input/expected/got field
+# A case runs labkit's own code in well under a second; a learner's code that runs this long is stopped (an endless
+# loop would otherwise hang the check, and an instructor's run over a class's files with it), and the exercise's
+# later cases are not run.
+CASE_SECONDS = 60.0
 
 
 class Mismatch(AssertionError):
@@ -125,6 +133,7 @@ class Exercise:
     export: str  # the name that file defines: the implementation
     reference: Callable[[], Any]  # labkit's own implementation, imported when asked for
     cases: Sequence[Case]
+    seams: tuple[str, ...] = ()  # the methods the export, a subclass of labkit's class, defines (none: a function)
 
     @property
     def filename(self) -> str:
@@ -138,7 +147,8 @@ class Exercise:
 
 @dataclass
 class Failure:
-    """One failing case, in words. ``kind`` is "mismatch", "error" (the code raised) or "not started"."""
+    """One failing case, in words. ``kind`` is "mismatch", "error" (the code raised), "out of time" (it ran past
+    CASE_SECONDS) or "not started"."""
 
     case: str
     kind: str
@@ -190,7 +200,7 @@ class CheckResult:
         """ "passed", "failing" or "not started" (every case raised NotImplementedError, or no file yet)."""
         if self.passed:
             return "passed"
-        if self.load_error.startswith("no file") or (
+        if self.load_error.startswith(("no file", NOT_WRITTEN)) or (
             self.failures
             and len(self.failures) == self.num_cases
             and all(f.kind == "not started" for f in self.failures)
@@ -230,11 +240,43 @@ class CheckResult:
         return f"CheckResult(exercise={self.number}, status={self.status!r}, passed={self.num_passed}/{self.num_cases})"
 
 
+class OutOfTime(BaseException):
+    """Raised into a case that ran past CASE_SECONDS. Not an Exception: a learner's ``except Exception`` must not
+    swallow it."""
+
+
+@contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise OutOfTime in the code run inside, once it has run ``seconds``: by SIGALRM, so only in the main
+    thread of a Unix process (a terminal, pytest, a Jupyter kernel); elsewhere there is no limit."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise OutOfTime
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def run_case(case: Case, implementation: Any, *, verbose: bool = False) -> Failure | None:
-    """Run one case; None when it passes."""
+    """Run one case, for at most CASE_SECONDS; None when it passes."""
     _current_input[0] = ""
     try:
-        case.run(implementation)
+        with time_limit(CASE_SECONDS):
+            case.run(implementation)
+    except OutOfTime as stopped:
+        got = f"your code was still running after {CASE_SECONDS:.0f} s, and was stopped"
+        hint = "a loop that never ends? Look for a while loop whose condition nothing in it changes"
+        where = learner_frames(stopped)  # the line it was running when stopped
+        shown = _clip(_current_input[0], 2 * MAX_SHOWN)
+        return Failure(case.name, "out of time", shown, got=got, hint=hint, traceback=where)
     except NotImplementedError as error:
         return Failure(case.name, "not started", got=_not_started(error))
     except Mismatch as mismatch:
@@ -290,8 +332,13 @@ def run_exercise(
 ) -> CheckResult:
     chosen = [c for c in exercise.cases if cases is None or c.name in cases]
     result = CheckResult(exercise.number, exercise.title, source, len(chosen), implementation=implementation)
+    stopped = False  # a case ran out of time: the cases after it would each wait as long, so they are not run
     for case in chosen:
-        failure = run_case(case, implementation, verbose=verbose)
+        if stopped:
+            failure: Failure | None = Failure(case.name, "error", got="not run: a check before it ran out of time")
+        else:
+            failure = run_case(case, implementation, verbose=verbose)
+            stopped = failure is not None and failure.kind == "out of time"
         if failure is not None:
             result.failures.append(failure)
     return result
@@ -317,6 +364,39 @@ def _is_learner(frame: traceback.FrameSummary) -> bool:
 
 
 # ---------------------------------------------------------------------- the learner's file
+NOT_WRITTEN = "not written"  # how a load error starts when the file hands in labkit's own code for the exercise
+
+
+def labkit_parts(exercise: Exercise, implementation: Any) -> list[str]:
+    """The parts of ``exercise`` that ``implementation`` takes from labkit instead of defining: labkit's own
+    function, or seams its class inherits from labkit's (a subclass with ``pass`` for a body passes every check)."""
+    if not exercise.seams:
+        return [f"{exercise.export}()"] if _is_labkit(implementation) else []
+    if not isinstance(implementation, type):  # not a class at all: the checks say what goes wrong
+        return []
+    parts = []
+    for name in exercise.seams:
+        definer = next((c for c in inspect.getmro(implementation) if name in vars(c)), None)
+        if definer is None or _is_labkit(definer):
+            parts.append(f"{name}()")
+    return parts
+
+
+def labkit_parts_error(exercise: Exercise, parts: Sequence[str]) -> str:
+    """The load error of a file that hands in labkit's own ``parts``: "not written" when that is all of them."""
+    them = "it" if len(parts) == 1 else "them"
+    lead = NOT_WRITTEN if len(parts) == max(1, len(exercise.seams)) else "incomplete"
+    return (
+        f"{lead}: your file takes {' and '.join(parts)} from labkit instead of defining {them}, and labkit's code"
+        f" passes every check, so the checks would say nothing about yours. Write {them} in {exercise.filename}."
+    )
+
+
+def _is_labkit(obj: Any) -> bool:
+    module = getattr(obj, "__module__", None) or ""
+    return module == "labkit" or module.startswith("labkit.")
+
+
 def find_learner_file(exercise: Exercise, path: str | os.PathLike[str] | None = None) -> Path | None:
     """``path`` (a file, or its folder), else $LABKIT_EXERCISES_DIR, ./exercises, . and the repo's exercises/."""
     if path is not None:

@@ -98,8 +98,8 @@ class BlockAllocator:
 
     def blocks_needed(self, request_id: Hashable, num_tokens: int) -> int:
         """How many new blocks ``request_id`` needs so that its table covers ``num_tokens`` tokens."""
-        have = len(self.block_tables.get(request_id, ()))
-        return max(0, blocks_for(num_tokens, self.block_size) - have)
+        needed = blocks_for(num_tokens, self.block_size) - len(self.block_tables.get(request_id, ()))
+        return needed if needed > 0 else 0  # max(0, needed), without a builtin call: this runs per request per step
 
     def can_allocate(self, request_id: Hashable, num_tokens: int, prefix: PrefixMatch | None = None) -> bool:
         """Whether :meth:`allocate` would succeed (``prefix``: the cached blocks it would start from)."""
@@ -122,7 +122,8 @@ class BlockAllocator:
         table = self.block_tables.get(request_id)
         if prefix is None and table is not None and num_tokens <= len(table) * self.block_size:
             # Most calls: a decode token that fits in the last block. Nothing to take, only the slot to claim.
-            self.num_slots[request_id] = max(self.num_slots[request_id], num_tokens)
+            if num_tokens > self.num_slots[request_id]:
+                self.num_slots[request_id] = num_tokens
             return []
         cached = prefix.blocks if prefix is not None else ()
         needed = self.blocks_needed(request_id, num_tokens) - len(cached)

@@ -158,9 +158,13 @@ class DecodeGraphs:
         n = len(chunks) + len(padding)
         size = self.buckets[bisect_left(self.buckets, n)]
         block_size = self.cache.block_size
-        ids, positions, slots, seq_lens = array("i"), array("i"), array("i"), array("i")
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
         rows: list[list[int]] = []
-        sample_rows, sampling = array("i"), []
+        sample_rows: list[int] = []
+        sampling: list[Request] = []
         fed_back = None
         for chunk in chunks:
             request, start = chunk.request, chunk.start
@@ -186,9 +190,10 @@ class DecodeGraphs:
             rows.append(table)
         flat_tables, width = self.table_rows.padded(rows, seq_lens, block_size)
         # Every row of the bucket is rewritten; a bucket's padded rows get token 0 at position 0, no slot, no context.
-        zeros, no_slots = array("i", bytes(4 * (size - n))), array("i", [-1]) * (size - n)
-        header = ids + zeros + positions + zeros + slots + no_slots + seq_lens + zeros
-        header += sample_rows + array("i", bytes(4 * (size - len(sample_rows))))
+        # (Lists converted at once: appending to a list is cheaper than converting each int into an int32 array.)
+        zeros, no_slots = [0] * (size - n), [-1] * (size - n)
+        sampling_rows = sample_rows + [0] * (size - len(sample_rows))
+        header = array("i", ids + zeros + positions + zeros + slots + no_slots + seq_lens + zeros + sampling_rows)
         if self.copied is not None:  # the pinned buffers are reused: the previous step's copy must have read them
             self.copied.synchronize()
         host_header = self.host_header.view(HEADER_PARTS, self.max_batch)[:, :size]

@@ -90,6 +90,30 @@ def test_headers_follow_the_repository_url() -> None:
     assert len(again.cells) == 2
 
 
+def test_a_pinned_course_ref_reaches_every_link_learners_open(tmp_path: Path) -> None:
+    """A class pins a release: the notebooks' Colab badge and install cell, and the README's Colab and Binder badges,
+    all open that tag; "main" keeps the default branch (HEAD on Binder, no @ in the install)."""
+    repository = "https://github.com/someone/fork"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# 99 · Title")])
+    notebook_headers.with_headers(nb, repository, "notebooks/99_x.ipynb", "v1.2")
+    assert "/someone/fork/blob/v1.2/notebooks/99_x.ipynb)" in nb.cells[0].source
+    assert '@ git+https://github.com/someone/fork@v1.2"' in nb.cells[1].source
+    readme = (ROOT / "README.md").read_text()
+    pinned = notebook_headers.with_readme_badges(readme, repository, "v1.2").splitlines()
+    changed = [new for old, new in zip(readme.splitlines(), pinned, strict=True) if old != new]
+    assert len(changed) == 2 and all("/someone/fork/" in line and "v1.2" in line for line in changed), changed
+    assert any(
+        "mybinder.org/v2/gh/someone/fork/v1.2?urlpath=lab/tree/notebooks/00_start_here.ipynb" in line
+        for line in changed
+    )
+    repository, ref = notebook_headers.repository_url(), notebook_headers.course_ref()
+    assert notebook_headers.with_readme_badges(readme, repository, ref) == readme  # as committed
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n[tool.labkit]\ncourse-ref = "v1.2"\n')
+    assert notebook_headers.course_ref(tmp_path) == "v1.2"
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n')
+    assert notebook_headers.course_ref(tmp_path) == "main"
+
+
 def test_the_install_cell_names_extras_the_project_has() -> None:
     """pip only warns about an extra it does not know, and installs without it: a misspelt one would go unseen."""
     source = notebook_headers.install_source(notebook_headers.repository_url())
@@ -117,12 +141,12 @@ def test_headers_read_the_project(tmp_path: Path) -> None:
 def test_notebook_header_cells(path: Path) -> None:
     nb = _read(path)
     relative = path.relative_to(ROOT).as_posix()
-    repository = notebook_headers.repository_url()
+    repository, ref = notebook_headers.repository_url(), notebook_headers.course_ref()
     first = nb.cells[0]
     assert first.cell_type == "markdown" and first.source.startswith("# "), "the first cell is the title"
-    assert notebook_headers.badge_line(repository, relative) in first.source.splitlines()
+    assert notebook_headers.badge_line(repository, relative, ref) in first.source.splitlines()
     assert nb.cells[1].metadata.get("tags") == ["install"]
-    assert nb.cells[1].source == notebook_headers.install_source(repository)
+    assert nb.cells[1].source == notebook_headers.install_source(repository, ref)
     assert 'if importlib.util.find_spec("labkit") is None:' in nb.cells[1].source  # guarded: a no-op locally
     parameters = _tagged(nb, "parameters")
     assert len(parameters) == 1 and nb.cells.index(parameters[0]) == 2, "the third cell is the parameters cell"
@@ -227,6 +251,8 @@ def test_each_exercise_knows_the_notebooks_before_it_as_its_notebook_and_the_rea
         assert row.split(" | ")[2].startswith(", ".join(exercise.after)), (number, row)
     order = [e.number for e in sorted(exercises().values(), key=lambda e: e.course_position)]
     assert order == [6, 7, 1, 2, 5, 3, 4, 8]
+    listed = [int(row[2]) for row in readme.splitlines() if re.match(r"\| \d \| \[", row)]
+    assert listed == order, "the README's exercise table is in course order"
 
 
 def test_binder_badge_opens_the_start_notebook() -> None:

@@ -2385,6 +2385,16 @@ def slot_mapping(*args):
 """
 
 
+def test_check_path_takes_a_learners_whole_checkout(tmp_path):
+    """An instructor collecting a class's work gets each learner's checkout: ``--path`` finds the files in its
+    exercises/ folder, unless the folder itself holds them."""
+    (tmp_path / "exercises").mkdir()
+    (tmp_path / "exercises" / get(1).filename).write_text(DELEGATING_ALLOCATOR)
+    assert check_file(get(1), tmp_path).passed
+    (tmp_path / get(1).filename).write_text((STUBS / get(1).filename).read_text())  # files at the top win
+    assert check_file(get(1), tmp_path).status == "not started"
+
+
 def test_labkit_check_prints_progress_and_json(tmp_path, capsys):
     (tmp_path / "ex1_block_allocator.py").write_text(DELEGATING_ALLOCATOR)
     for number in NUMBERS[1:]:

@@ -29,7 +29,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Check the exercises in exercises/exN_*.py against labkit's contracts and show your progress.",
     )
     parser.add_argument("numbers", nargs="*", type=int, help="exercises to check (default: all)")
-    parser.add_argument("--path", help="the folder holding your exercise files (default: ./exercises)")
+    parser.add_argument(
+        "--path", help="the folder holding your exercise files, or a copy of the repository (default: ./exercises)"
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON (for instructors)")
     parser.add_argument(
         "-v",

@@ -398,10 +398,14 @@ def _is_labkit(obj: Any) -> bool:
 
 
 def find_learner_file(exercise: Exercise, path: str | os.PathLike[str] | None = None) -> Path | None:
-    """``path`` (a file, or its folder), else $LABKIT_EXERCISES_DIR, ./exercises, . and the repo's exercises/."""
+    """``path`` (a file, its folder, or a copy of the repository holding it in exercises/), else
+    $LABKIT_EXERCISES_DIR, ./exercises, . and the repo's exercises/."""
     if path is not None:
         candidate = Path(path)
-        return candidate / exercise.filename if candidate.is_dir() else candidate
+        if not candidate.is_dir():
+            return candidate
+        direct, nested = candidate / exercise.filename, candidate / "exercises" / exercise.filename
+        return nested if nested.is_file() and not direct.exists() else direct  # nested: a whole checkout handed in
     folders = [Path(os.environ[EXERCISES_DIR_ENV])] if os.environ.get(EXERCISES_DIR_ENV) else []
     folders += [Path.cwd() / "exercises", Path.cwd(), LABKIT_DIR.parent / "exercises"]
     for folder in folders:

@@ -197,7 +197,8 @@ class CheckResult:
 
     @property
     def status(self) -> str:
-        """ "passed", "failing" or "not started" (every case raised NotImplementedError, or no file yet)."""
+        """ "passed", "failing" or "not started" (every case raised NotImplementedError, no file yet, or a file
+        that hands in labkit's own code)."""
         if self.passed:
             return "passed"
         if self.load_error.startswith(("no file", NOT_WRITTEN)) or (

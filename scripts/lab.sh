@@ -31,7 +31,7 @@ if [ "$print_only" -eq 1 ]; then
   echo "${command[*]}"
   exit 0
 fi
-bash scripts/setup.sh
+bash scripts/setup.sh course  # the course's extras: not the test suite's tools, nor Triton (1 GB on Linux)
 # JupyterLab's defaults for the course, as on Binder (binder/overrides.json): closing a notebook shuts its kernel
 # down, since each kernel holds torch and transformers.
 mkdir -p .venv/share/jupyter/lab/settings

@@ -250,7 +250,7 @@ def test_each_exercise_knows_the_notebooks_before_it_as_its_notebook_and_the_rea
         [row] = [r for r in readme.splitlines() if r.startswith(f"| {number} | [")]
         assert row.split(" | ")[2].startswith(", ".join(exercise.after)), (number, row)
     order = [e.number for e in sorted(exercises().values(), key=lambda e: e.course_position)]
-    assert order == [6, 7, 1, 2, 5, 3, 4, 8]
+    assert order == [6, 7, 1, 2, 5, 3, 4, 8, 9]
     listed = [int(row[2]) for row in readme.splitlines() if re.match(r"\| \d \| \[", row)]
     assert listed == order, "the README's exercise table is in course order"
 

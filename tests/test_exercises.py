@@ -5,8 +5,10 @@ engine's seams give labkit's own tokens."""
 from __future__ import annotations
 
 import ast
+import bisect
 import functools
 import hashlib
+import itertools
 import json
 import operator
 import os
@@ -26,6 +28,7 @@ from labkit.cli import main
 from labkit.core import prefix_cache
 from labkit.core.blocks import BlockAllocator, BlockEvent, NoFreeBlocksError, blocks_for
 from labkit.core.prefix_cache import PrefixCache, PrefixMatch
+from labkit.core.queues import ShortestFirstQueue
 from labkit.core.request import RequestState
 from labkit.core.scheduler import Scheduler, SchedulerOutput
 from labkit.exercises import check, check_file, exercises, get, load_implementation, reference, start_exercise
@@ -37,8 +40,8 @@ STUBS = Path(__file__).resolve().parents[1] / "exercises"
 NUMBERS = sorted(exercises())
 
 
-def test_there_are_at_least_eight_exercises_each_with_a_stub_and_a_notebook():
-    assert NUMBERS[:8] == [1, 2, 3, 4, 5, 6, 7, 8]
+def test_there_are_at_least_nine_exercises_each_with_a_stub_and_a_notebook():
+    assert NUMBERS[:9] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
     for number in NUMBERS:
         exercise = get(number)
         assert (STUBS / exercise.filename).is_file()
@@ -105,6 +108,7 @@ def test_the_references_are_labkits_own_implementation():
     assert reference(5) is paged_attention
     assert reference(6) is Sampler
     assert reference(8) is PrefixCache
+    assert reference(9) is ShortestFirstQueue
 
 
 def failing(number, implementation):
@@ -2270,6 +2274,182 @@ def test_ex8_the_learners_cache_plugged_into_the_engine_gives_labkits_tokens(bun
     assert sum(o.num_cached_tokens for o in plain) > 0
 
 
+# ------------------------------------------------------------------ exercise 9: planted mistakes
+class RecomputesTheKeyAtRequeue(ShortestFirstQueue):
+    """Ranks a preempted request again, as if it arrived at the last step the queue saw."""
+
+    last_step = 0
+
+    def add(self, request, step):
+        self.last_step = step
+        super().add(request, step)
+
+    def requeue(self, request):
+        key = (*self.rank(request, self.last_step), next(self._arrivals))
+        self._keys[request.request_id] = key
+        bisect.insort(self._entries, (key, request), key=operator.itemgetter(0))
+
+
+class NewestFirstOnTies(ShortestFirstQueue):
+    def add(self, request, step):
+        key = (*self.rank(request, step), -next(self._arrivals))
+        self._keys[request.request_id] = key
+        bisect.insort(self._entries, (key, request), key=operator.itemgetter(0))
+
+
+class AgeingSubtracted(ShortestFirstQueue):
+    def rank(self, request, step):
+        return (request.num_prompt_tokens + request.params.max_new_tokens - self.ageing * step,)
+
+
+class RequeuesToTheFront(ShortestFirstQueue):
+    """Puts a preempted request first in line, as first come first served does."""
+
+    def requeue(self, request):
+        self._entries.insert(0, (self.key(request), request))
+
+
+class IterationPops(ShortestFirstQueue):
+    def __iter__(self):
+        while self._entries:
+            yield self._entries.pop(0)[1]
+
+
+class PromptOnly(ShortestFirstQueue):
+    """Ranks by the prompt alone, not the tokens the request will generate."""
+
+    def rank(self, request, step):
+        return (request.num_prompt_tokens + self.ageing * step,)
+
+
+class ForgetsWithDel(ShortestFirstQueue):
+    def forget(self, request):
+        del self._keys[request.request_id]
+
+
+def ex9_named(mistake, case, expected, got, *phrases):
+    """The messages of every case ``mistake`` fails, after checking that ``case``'s shows ``expected`` and ``got``
+    and says ``phrases``."""
+    _, messages = failing(9, mistake)
+    text = messages[case]
+    assert f"expected: {expected}\n" in text and f"got:      {got}\n" in text, text
+    assert all(phrase in text for phrase in phrases), text
+    return messages
+
+
+def test_ex9_a_key_computed_again_at_requeue_is_named():
+    name = "a request keeps the key it arrived with: requeued later, it ranks as before"
+    hint = ("keeps the key it arrived with", "self._keys[request.request_id]", "queue.requeue(r0)")
+    messages = ex9_named(RecomputesTheKeyAtRequeue, name, "[r0, r1, r2]", "[r1, r0, r2]", *hint)
+    engine = messages["inside the engine, a long request is admitted while short ones keep arriving"]
+    assert "preempted [8]" in engine and "then the queue cases above" in engine
+    assert "a preempted request goes back where its key ranks it, not to the front" not in messages
+
+
+def test_ex9_ties_broken_newest_first_are_named():
+    name, hint = "requests of the same rank go in arrival order", ("the earlier first", "next(self._arrivals)")
+    messages = ex9_named(NewestFirstOnTies, name, "[r3, r4, r0, r1, r2]", "[r4, r3, r2, r1, r0]", *hint)
+    assert "the fewest expected tokens (prompt + max_new_tokens) go first" not in messages
+
+
+def test_ex9_ageing_subtracted_is_named():
+    name = "each step a request has waited is worth ageing tokens of head start"
+    messages = ex9_named(AgeingSubtracted, name, "[r2, r0, r1, r3]", "[r3, r1, r2, r0]", "plus, not minus")
+    assert "expected: (44,)" in messages["ageing is the value the queue was made with"]
+    assert "the fewest expected tokens (prompt + max_new_tokens) go first" not in messages
+
+
+def test_ex9_a_requeue_to_the_front_is_named():
+    name = "a preempted request goes back where its key ranks it, not to the front"
+    hint = "not to the front as first come first served does"
+    messages = ex9_named(RequeuesToTheFront, name, "[r2, r0, r3]", "[r0, r2, r3]", hint)
+    assert set(messages) == {name, "random arrivals, admissions, preemptions and finishes keep labkit's order"}
+
+
+def test_ex9_an_iteration_that_takes_requests_out_is_named_in_every_case():
+    _, messages = failing(9, IterationPops)
+    text = messages["iterating over the queue takes nothing out"]
+    assert "expected: [r1, r2, r0] again" in text and "got:      []" in text
+    assert "__iter__ must not take anything out" in text
+    engine = messages["inside the engine, a long request is admitted while short ones keep arriving"]
+    assert "the waiting queue [r1, r2, r3, r0] again" in engine and "__iter__ must not take anything out" in engine
+    assert all("__iter__ must not take anything out" in m for m in messages.values())
+
+
+def test_ex9_a_rank_of_the_prompt_alone_and_a_forget_that_raises_are_named():
+    _, messages = failing(9, PromptOnly)
+    text = messages["the fewest expected tokens (prompt + max_new_tokens) go first"]
+    assert "queue.rank(r0, step=0)" in text and "expected: (30,)" in text and "got:      (10,)" in text
+    assert "prompt and output both" in text
+    text = only_failure(9, ForgetsWithDel, "forget drops the key of a finished request")
+    assert "your code raised KeyError: 7" in text and "self._keys.pop(request.request_id, None)" in text
+
+
+def test_ex9_without_ageing_the_long_request_starves_and_the_case_says_so():
+    from labkit.exercises.ex9_shortest_first import _STARVED_HINT
+
+    class NoAgeing(ShortestFirstQueue):
+        def __init__(self, ageing=0):
+            super().__init__(0)
+
+    _, messages = failing(9, NoAgeing)
+    text = messages["inside the engine, a long request is admitted while short ones keep arriving"]
+    assert "admitted [0, 7]" in text.split("got:")[0] and _STARVED_HINT in text
+
+
+def test_ex9_the_learners_queue_plugged_into_the_engine_gives_labkits_tokens(bundled):
+    # A queue written from the contract (the reference's own methods, copied into a subclass of FcfsQueue) orders
+    # a mixed workload through scheduler_for(...): the same admissions and tokens as labkit's own shortest-first.
+    from labkit.core.queues import AGEING, FcfsQueue
+    from labkit.exercises.ex9_shortest_first import scheduler_for
+
+    class Copied(FcfsQueue):
+        def __init__(self, ageing=AGEING):
+            self.ageing, self._entries, self._keys, self._arrivals = ageing, [], {}, itertools.count()
+
+        def rank(self, request, step):
+            return (request.num_prompt_tokens + request.params.max_new_tokens + self.ageing * step,)
+
+        def add(self, request, step):
+            self._keys[request.request_id] = key = (*self.rank(request, step), next(self._arrivals))
+            bisect.insort(self._entries, (key, request), key=operator.itemgetter(0))
+
+        def requeue(self, request):
+            bisect.insort(self._entries, (self._keys[request.request_id], request), key=operator.itemgetter(0))
+
+        appendleft = append = requeue
+
+        def remove(self, request):
+            self._entries.remove((self._keys[request.request_id], request))
+
+        def __iter__(self):
+            return (request for _, request in self._entries)
+
+        def __len__(self):
+            return len(self._entries)
+
+        def forget(self, request):
+            self._keys.pop(request.request_id, None)
+
+    assert check(9, Copied, quiet=True).passed
+
+    model, tokenizer = bundled
+    prompts = ["ROMEO:\n" * 6, "JULIET:\n", "Nurse:\n" * 3, "BRUTUS:\n", "KING RICHARD III:\n" * 2, "LADY ANNE:\n"]
+    params = [SamplingParams(max_new_tokens=4 + 6 * (i % 3), temperature=0.8, seed=i) for i in range(len(prompts))]
+    config = EngineConfig(block_size=4, num_blocks=24, max_batch_tokens=32, max_num_seqs=2, scheduling="shortest-first")
+    plain = Engine(model, config, tokenizer)
+    plugged = Engine(model, config, tokenizer, scheduler_cls=scheduler_for(Copied))
+    assert isinstance(plugged.scheduler.waiting, Copied)
+    orders = []
+    for engine in (plain, plugged):
+        reports = []
+        engine.step_listeners.append(reports.append)
+        outputs = engine.generate(prompts, params)
+        orders.append(([r.admitted for r in reports], [o.output_token_ids for o in outputs]))
+    assert orders[0] == orders[1]
+    assert [a for admitted in orders[0][0] for a in admitted][:2] != [0, 1]  # not first come, first served
+
+
 # ------------------------------------------------------------------ feedback, files, CLI
 def test_a_learner_error_is_shown_as_the_learners_own_without_labkit_frames():
     def broken(segments, block_size, scratch):
@@ -2402,9 +2582,9 @@ def test_labkit_check_prints_progress_and_json(tmp_path, capsys):
         (tmp_path / name).write_text((STUBS / name).read_text())
     assert main(["check", "--path", str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    assert "Block allocator" in out and "passed" in out and "not started" in out and "1 of 8 exercises pass" in out
+    assert "Block allocator" in out and "passed" in out and "not started" in out and "1 of 9 exercises pass" in out
     rows = [line.split()[1] for line in out.splitlines() if re.match(r"│ \d │", line)]
-    assert rows == ["6", "7", "1", "2", "5", "3", "4", "8"], "the table lists the exercises in course order"
+    assert rows == ["6", "7", "1", "2", "5", "3", "4", "8", "9"], "the table lists the exercises in course order"
     assert "Next: exercise 6, after notebook 01. Its feedback: labkit check 6" in out, "the first that does not pass"
     assert main(["check", "2", "--path", str(tmp_path)]) == 1
     out = capsys.readouterr().out

@@ -1,0 +1,1 @@
+../../../exercises/ex9_shortest_first.py

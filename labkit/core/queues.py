@@ -139,7 +139,10 @@ class PriorityQueue(RankedQueue):
 
 
 class ShortestFirstQueue(RankedQueue):
-    """Fewest expected tokens first, with ``ageing`` tokens of head start per step waited (see the module)."""
+    """Fewest expected tokens first, with ``ageing`` tokens of head start per step waited (see the module).
+
+    Exercise 9 has the learner write it; ``labkit.exercises.ex9_shortest_first.scheduler_for`` plugs a queue class
+    into the engine's scheduler."""
 
     def __init__(self, ageing: float = AGEING) -> None:
         super().__init__()

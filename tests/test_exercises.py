@@ -2575,6 +2575,21 @@ def test_check_path_takes_a_learners_whole_checkout(tmp_path):
     assert check_file(get(1), tmp_path).status == "not started"
 
 
+def test_a_missing_file_is_told_from_an_untouched_stub(tmp_path, capsys, monkeypatch):
+    """An instructor checking a learner's folder sees "no file" where the learner handed nothing in, and "not
+    started" where the stub came back untouched; the table names the folder it checked."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ada").mkdir()
+    (tmp_path / "ada" / get(1).filename).write_text((STUBS / get(1).filename).read_text())
+    assert check_file(get(1), "ada").status == "not started"
+    assert check_file(get(2), "ada").status == "no file"
+    assert main(["check", "1", "2", "--path", "ada"]) == 1
+    out = capsys.readouterr().out
+    rows = {line.split()[1]: line for line in out.splitlines() if re.match(r"│ \d │", line)}
+    assert "not started" in rows["1"] and "no file" in rows["2"]
+    assert "labkit exercises, in course order, in ada" in out
+
+
 def test_labkit_check_prints_progress_and_json(tmp_path, capsys):
     (tmp_path / "ex1_block_allocator.py").write_text(DELEGATING_ALLOCATOR)
     for number in NUMBERS[1:]:

@@ -19,7 +19,7 @@ from rich.table import Table
 from labkit.exercises import CheckResult, Exercise, check_file, exercises
 from labkit.exercises.framework import find_learner_file
 
-STYLES = {"passed": "green", "failing": "red", "not started": "dim"}
+STYLES = {"passed": "green", "failing": "red", "not started": "dim", "no file": "yellow"}
 WATCH_INTERVAL = 0.5  # seconds between looks at the learner's files
 
 
@@ -59,16 +59,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if all(r.passed for r in results) else 1
     console = Console()
     # One exercise named: the learner is working on it, so its feedback is what they came for.
-    show_progress(chosen, results, console, verbose=args.verbose or len(args.numbers) == 1)
+    show_progress(chosen, results, console, verbose=args.verbose or len(args.numbers) == 1, path=args.path)
     if args.watch:
         results = watch(chosen, results, args.path, console)
     return 0 if all(r.passed for r in results) else 1
 
 
-def show_progress(chosen: list[Exercise], results: list[CheckResult], console: Console, *, verbose: bool) -> None:
-    """The progress table in course order, then every failing exercise's feedback (verbose) or which one to do
-    next: the first in the course that does not pass yet."""
-    view = Table(title="labkit exercises, in course order")
+def show_progress(
+    chosen: list[Exercise], results: list[CheckResult], console: Console, *, verbose: bool, path: str | None = None
+) -> None:
+    """The progress table in course order (``path``: the folder checked, named in its title), then every failing
+    exercise's feedback (verbose) or which one to do next: the first in the course that does not pass yet."""
+    view = Table(title="labkit exercises, in course order" + (f", in {path}" if path is not None else ""))
     for column in ("#", "exercise", "after", "status", "checks"):
         view.add_column(column, justify="right" if column in ("#", "checks") else "left")
     for exercise, r in zip(chosen, results, strict=True):

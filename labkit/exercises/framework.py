@@ -197,11 +197,13 @@ class CheckResult:
 
     @property
     def status(self) -> str:
-        """ "passed", "failing" or "not started" (every case raised NotImplementedError, no file yet, or a file
-        that hands in labkit's own code)."""
+        """ "passed", "failing", "not started" (every case raised NotImplementedError, or the file hands in
+        labkit's own code) or "no file" (none where the check looked)."""
         if self.passed:
             return "passed"
-        if self.load_error.startswith(("no file", NOT_WRITTEN)) or (
+        if self.load_error.startswith("no file"):
+            return "no file"
+        if self.load_error.startswith(NOT_WRITTEN) or (
             self.failures
             and len(self.failures) == self.num_cases
             and all(f.kind == "not started" for f in self.failures)

@@ -59,14 +59,16 @@ class MyShortestFirstQueue(FcfsQueue):
         raise NotImplementedError("Exercise 9")
 
     def requeue(self, request: Request) -> None:
-        """A preempted request waits again: insert it where the key it arrived with ranks it (not at the front,
-        as first come first served does, and not under a new key: it has waited since it arrived)."""
+        """A preempted request waits again: insert it under the key it arrived with, ``self._keys[request.
+        request_id]``, arrival number included (not at the front, as first come first served does, and not
+        under a new key: it has waited since it arrived)."""
         raise NotImplementedError("Exercise 9")
 
     appendleft = append = requeue  # given: a ranked queue has no front or back of its own
 
     def remove(self, request: Request) -> None:
-        """Take ``request`` out (admitted, or aborted while waiting): exactly its entry, wherever it is."""
+        """Take ``request`` out (admitted, or aborted while waiting): exactly its entry, wherever it is. The
+        scheduler removes only requests that wait, and keeps their keys (a removed request may be requeued)."""
         raise NotImplementedError("Exercise 9")
 
     def __iter__(self) -> Iterator[Request]:

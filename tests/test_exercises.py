@@ -2327,6 +2327,43 @@ class ForgetsWithDel(ShortestFirstQueue):
         del self._keys[request.request_id]
 
 
+class RequeuesWithANewArrivalNumber(ShortestFirstQueue):
+    """Keeps the rank at requeue but draws a new arrival number: ties now go against the request that waited."""
+
+    def requeue(self, request):
+        key = (*self.key(request)[:-1], next(self._arrivals))
+        self._keys[request.request_id] = key
+        bisect.insort(self._entries, (key, request), key=operator.itemgetter(0))
+
+
+class RequeuesAsIfNewAtStepZero(ShortestFirstQueue):
+    """requeue has no step, so it adds the request again as if it arrived at step 0."""
+
+    def requeue(self, request):
+        self.add(request, 0)
+
+
+class NoArrivalNumber(ShortestFirstQueue):
+    """Keys of the rank alone: insort puts a requeued request after every waiting one of the same rank."""
+
+    def add(self, request, step):
+        key = self.rank(request, step)
+        self._keys[request.request_id] = key
+        bisect.insort(self._entries, (key, request), key=operator.itemgetter(0))
+
+
+class TiesByRequestId(ShortestFirstQueue):
+    def add(self, request, step):
+        key = (*self.rank(request, step), request.request_id)
+        self._keys[request.request_id] = key
+        bisect.insort(self._entries, (key, request), key=operator.itemgetter(0))
+
+
+class AgeingCutToAWholeNumber(ShortestFirstQueue):
+    def rank(self, request, step):
+        return (request.num_prompt_tokens + request.params.max_new_tokens + int(self.ageing) * step,)
+
+
 def ex9_named(mistake, case, expected, got, *phrases):
     """The messages of every case ``mistake`` fails, after checking that ``case``'s shows ``expected`` and ``got``
     and says ``phrases``."""
@@ -2348,14 +2385,31 @@ def test_ex9_a_key_computed_again_at_requeue_is_named():
 
 def test_ex9_ties_broken_newest_first_are_named():
     name, hint = "requests of the same rank go in arrival order", ("the earlier first", "next(self._arrivals)")
-    messages = ex9_named(NewestFirstOnTies, name, "[r3, r4, r0, r1, r2]", "[r4, r3, r2, r1, r0]", *hint)
+    messages = ex9_named(NewestFirstOnTies, name, "[r0, r4, r3, r1, r2]", "[r4, r0, r2, r1, r3]", *hint)
     assert "the fewest expected tokens (prompt + max_new_tokens) go first" not in messages
+    ex9_named(TiesByRequestId, name, "[r0, r4, r3, r1, r2]", "[r0, r4, r1, r2, r3]", *hint)
+
+
+def test_ex9_a_requeue_that_changes_any_part_of_the_key_is_named():
+    """A new arrival number, a step of 0, or no arrival number at all: each ranks the requeued r0 against r4 and
+    r2, which tie with it, by something other than when each arrived."""
+    name = "a requeued request keeps its arrival number, and the step it arrived at"
+    hint = ("its arrival number included", "self._keys[request.request_id]")
+    ex9_named(RequeuesWithANewArrivalNumber, name, "[r1, r4, r0, r2, r3]", "[r1, r4, r2, r0, r3]", *hint)
+    ex9_named(RequeuesAsIfNewAtStepZero, name, "[r1, r4, r0, r2, r3]", "[r0, r1, r4, r2, r3]", *hint)
+    ex9_named(NoArrivalNumber, name, "[r1, r4, r0, r2, r3]", "[r1, r4, r2, r0, r3]", *hint)
+
+
+def test_ex9_an_ageing_cut_to_a_whole_number_is_named():
+    text = only_failure(9, AgeingCutToAWholeNumber, "ageing is the value the queue was made with")
+    assert "queue = AgeingCutToAWholeNumber(ageing=2.5)" in text and "expected: (50.0,)" in text
+    assert "got:      (44,)" in text and "Use self.ageing" in text
 
 
 def test_ex9_ageing_subtracted_is_named():
     name = "each step a request has waited is worth ageing tokens of head start"
     messages = ex9_named(AgeingSubtracted, name, "[r2, r0, r1, r3]", "[r3, r1, r2, r0]", "plus, not minus")
-    assert "expected: (44,)" in messages["ageing is the value the queue was made with"]
+    assert "expected: (50.0,)" in messages["ageing is the value the queue was made with"]
     assert "the fewest expected tokens (prompt + max_new_tokens) go first" not in messages
 
 
@@ -2363,7 +2417,11 @@ def test_ex9_a_requeue_to_the_front_is_named():
     name = "a preempted request goes back where its key ranks it, not to the front"
     hint = "not to the front as first come first served does"
     messages = ex9_named(RequeuesToTheFront, name, "[r2, r0, r3]", "[r0, r2, r3]", hint)
-    assert set(messages) == {name, "random arrivals, admissions, preemptions and finishes keep labkit's order"}
+    assert set(messages) == {
+        name,
+        "a requeued request keeps its arrival number, and the step it arrived at",
+        "random arrivals, admissions, preemptions and finishes keep labkit's order",
+    }
 
 
 def test_ex9_an_iteration_that_takes_requests_out_is_named_in_every_case():

@@ -147,9 +147,10 @@ _REQUEUE_HINT = (
     " stored key, self._keys[request.request_id]"
 )
 _KEY_FIXED_HINT = (
-    "a request keeps the key it arrived with while it lives: requeue inserts it under self._keys[request.request_id],"
-    " stored by add. A key computed again at requeue (with a later step, or a new arrival number) would send a"
-    " request that has waited since it arrived behind everyone who came after it"
+    "a request keeps the key it arrived with while it lives, its arrival number included: requeue inserts it under"
+    " self._keys[request.request_id], the whole key add stored. A key made again at requeue (with another step,"
+    " or a new arrival number) would rank a request that has waited since it arrived as if it came later (or"
+    " earlier) than it did"
 )
 _REMOVE_HINT = (
     "remove takes out exactly this request's entry, (self._keys[request.request_id], request), wherever it is in"
@@ -180,11 +181,11 @@ CASES = [
         "ageing is the value the queue was made with",
         "add 0 30+10 @0; add 1 10+10 @3; add 2 10+10 @12; rank 2 @12; list",
         _AGEING_HINT,
-        ageing=2,
+        ageing=2.5,  # not a whole number: ageing is a float
     ),
-    _case(
+    _case(  # arrival order, not request id order
         "requests of the same rank go in arrival order",
-        "add 0 10+10 @0; add 1 10+10 @0; add 2 8+12 @0; add 3 4+4 @0; add 4 2+6 @0; list",
+        "add 3 10+10 @0; add 1 10+10 @0; add 2 8+12 @0; add 0 4+4 @0; add 4 2+6 @0; list",
         _TIE_HINT,
     ),
     _case(  # r0 and r1 are admitted, then preempted after two more arrive
@@ -196,6 +197,11 @@ CASES = [
     _case(  # r0, which arrived at step 0, is preempted after step 3
         "a request keeps the key it arrived with: requeued later, it ranks as before",
         "add 0 12+8 @0; remove 0; add 1 2+2 @3; add 2 20+10 @3; requeue 0; list",
+        _KEY_FIXED_HINT,
+    ),
+    _case(  # r4, r0 and r2 all rank 60: r0, requeued, still goes after r4 and before r2, by when each arrived
+        "a requeued request keeps its arrival number, and the step it arrived at",
+        "add 1 15+15 @0; add 4 36+24 @0; add 0 10+10 @5; remove 0; add 2 2+2 @7; add 3 20+10 @7; requeue 0; list",
         _KEY_FIXED_HINT,
     ),
     _case(  # from the middle, the end, the front
@@ -258,7 +264,11 @@ def _strategy() -> Any:
 
 def _property(cls: Any, example: Any) -> None:
     ageing, ops = _random_ops(example)
-    compare(cls, ops, "compare the first look where your queue holds other requests, or another order", ageing)
+    hint = (
+        "your queue and labkit's disagree at the last look shown: compare the two answers, then find the op above"
+        " it (add, remove, requeue or forget) that put your queue out of step; the cases above check each op alone"
+    )
+    compare(cls, ops, hint, ageing)
 
 
 CASES.append(

@@ -187,8 +187,9 @@ class LiveThroughput(Displayable):
 
     def _fill(self, fig: go.Figure) -> None:
         traces = iter(fig.data)
-        for recorder, series in zip(self.runs.values(), self.series().values(), strict=True):
-            series = _drawn(recorder.reports, series, run_origin(recorder))
+        for recorder in self.runs.values():  # each run's origin found once: run_origin walks all its requests
+            origin = run_origin(recorder)
+            series = _drawn(recorder.reports, throughput_series(recorder.reports, self.window, origin), origin)
             stride = max(1, -(-2 * len(series["time"]) // self.max_points))  # two points a bucket
             for name in SERIES:
                 times, values = _thinned(series["time"], series[name], stride)

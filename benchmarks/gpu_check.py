@@ -1,7 +1,7 @@
 """One run that checks labkit's GPU path and measures it: correctness, throughput, decode against the memory floor.
 
-1. Correctness - labkit greedy against transformers ``generate`` (float32: token for token; bfloat16: the
-   first position where the two disagree, see BF16_POLICY), and the Triton kernel against the torch path.
+1. Correctness - labkit greedy against transformers ``generate`` (float32: token for token; bfloat16: the next
+   token after each prefix of generate's output, see BF16_POLICY), and the Triton kernel against the torch path.
 2. Throughput - labkit continuous, labkit static and transformers' continuous batching (the engine behind
    ``generate_batch``, with the best attention it has here) on the nano-vllm benchmark (256 requests, prompt
    and output lengths uniform in 100..1024, random-weight Qwen2.5-0.5B shape, bfloat16, EOS ignored), then on
@@ -64,10 +64,13 @@ from labkit.serving.workloads import WorkloadRequest, make_workload
 
 TRACE_DIR = Path(__file__).resolve().parent.parent / "labkit" / "data" / "traces"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+#: Teacher-forced next-token agreement that bfloat16 must reach (see BF16_POLICY).
+BF16_AGREEMENT = 0.95
 BF16_POLICY = (
-    "bfloat16 rounds differently from float32 (and transformers batches its matmuls differently), so greedy"
-    " outputs may part at a near-tie; the check passes if the median first-divergence position is at least"
-    " half the generated length"
+    "bfloat16 rounds differently from float32 (and transformers batches its matmuls differently), so free-running"
+    " greedy outputs part at the first near-tie and differ from there on. So the check is teacher-forced: given"
+    " each prefix of generate's output, labkit's greedy next token must equal generate's at no fewer than"
+    f" {BF16_AGREEMENT:.0%} of the positions; the free-running first divergence is reported beside it"
 )
 TARGETS = {"continuous_vs_hf": 3.0, "nano_tokens_per_s": 17_700, "decode_256_floor_ratio": 2.0}
 ASYNC = "labkit continuous, async scheduling"  # step N+1 planned and launched while step N runs
@@ -237,14 +240,13 @@ class NvmlSampler:
 
 # ---------------------------------------------------------------------------------------------- 1. correctness
 def check_parity(settings: Settings, part: dict[str, Any]) -> bool:
-    """labkit greedy vs transformers generate on a few prompts, float32 then (on a GPU) bfloat16."""
+    """labkit greedy vs transformers generate on a few prompts, float32 then bfloat16."""
     rng = random.Random(0)
     model = random_model("qwen2", "tiny", seed=3).to(settings.device)
     prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(rng.randint(5, 40))] for _ in range(4)]
     wanted = [settings.parity_tokens] * len(prompts)
     ok = True
-    dtypes = [torch.float32] if settings.device.type == "cpu" else [torch.float32, torch.bfloat16]
-    for dtype in dtypes:
+    for dtype in (torch.float32, torch.bfloat16):  # bfloat16 on a CPU too: CI runs this path
         model = model.to(dtype)
         expected = padded_generate(model, prompts, wanted, batch_size=1)
         engine = Engine(model, engine_config(settings, max_num_seqs=4, num_blocks=64, max_batch_tokens=256))
@@ -261,11 +263,23 @@ def check_parity(settings: Settings, part: dict[str, Any]) -> bool:
             entry["passed"] = got == expected
         else:
             entry["policy"] = BF16_POLICY
-            entry["passed"] = statistics.median(divergence) >= settings.parity_tokens / 2
+            entry["agreement"] = teacher_forced_agreement(engine, prompts, expected)
+            entry["passed"] = entry["agreement"] >= BF16_AGREEMENT
         part[name] = entry
         ok &= entry["passed"] or dtype != torch.float32  # bf16 is reported, float32 must hold
         del engine
     return ok
+
+
+def teacher_forced_agreement(engine: Engine, prompts: list[list[int]], expected: list[list[int]]) -> float:
+    """The share of positions where labkit, given a prompt and the first ``i`` tokens that generate produced,
+    picks generate's token ``i`` next. Each position is a request of its own, so one near-tie costs one position,
+    not every position after it as in a free run."""
+    pairs = zip(prompts, expected, strict=True)
+    prefixes = [prompt + tokens[:i] for prompt, tokens in pairs for i in range(len(tokens))]
+    wanted = [token for tokens in expected for token in tokens]
+    picked = [o.output_token_ids[0] for o in engine.generate(prefixes, SamplingParams(max_new_tokens=1))]
+    return sum(a == b for a, b in zip(picked, wanted, strict=True)) / len(wanted)
 
 
 def check_kernel(settings: Settings, part: dict[str, Any]) -> bool:
@@ -738,11 +752,10 @@ def summary_table(results: dict[str, Any], bandwidth: float) -> tuple[Table, lis
     for name in ("float32", "bfloat16"):
         entry = correctness.get("parity", {}).get(name)
         if entry:
-            table.add_row(
-                f"parity {name} (first divergence)",
-                str(entry["first_divergence"]),
-                "pass" if entry["passed"] else "FAIL",
-            )
+            value = f"first divergence {entry['first_divergence']}"
+            if "agreement" in entry:
+                value = f"{entry['agreement']:.0%} of next tokens teacher-forced; {value}"
+            table.add_row(f"parity {name}", value, "pass" if entry["passed"] else "FAIL")
     kernel = correctness.get("kernel", {})
     errors = [v["max_abs_error"] for v in kernel.values() if isinstance(v, dict) and "max_abs_error" in v]
     if errors:
@@ -893,12 +906,14 @@ def main() -> None:
     )
     parts.run("decode floor", lambda part: decode_floor(model, settings, bandwidth, part))
     parts.run("traces", lambda part: record_traces(model, settings, traces, bandwidth, part))
-    parts.run("profile", lambda part: profile_decode(model, settings, part))
     parts.run("kernel shapes", lambda part: kernel_shapes(model, settings, bandwidth, part))
     parts.run(
         "throughput sharegpt-like",
         lambda part: throughput(model, settings, workloads["sharegpt-like"], part, checkpoint, left),
     )
+    # Last: CUDA's profiling interface (CUPTI) has crashed processes that capture CUDA graphs after it ran; should
+    # it, every other part is measured and saved by then.
+    parts.run("profile", lambda part: profile_decode(model, settings, part))
     finish(results, bandwidth, console, args.out, ok)
 
 

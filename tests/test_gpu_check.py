@@ -43,7 +43,9 @@ def test_quick_cpu_run(tmp_path: Path) -> None:
     results = json.loads(out.read_text())
     errors = {name: part["error"] for name, part in results.items() if isinstance(part, dict) and "error" in part}
     assert not errors
-    assert results["correctness"]["parity"]["float32"]["passed"]
+    parity = results["correctness"]["parity"]
+    assert parity["float32"]["passed"]
+    assert parity["bfloat16"]["passed"] and parity["bfloat16"]["agreement"] >= 0.95, parity["bfloat16"]
     for workload in ("nano-vllm", "sharegpt-like"):
         part = results[f"throughput {workload}"]
         methods = (

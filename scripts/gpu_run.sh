@@ -23,7 +23,8 @@ CHECK_BUDGET="${CHECK_BUDGET:-$(( CHECK_SECONDS >= 180 ? CHECK_SECONDS - 90 : CH
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRITON_INTERPRET=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-# What labkit and this run need beside torch, one line each: a missing one shows here, in the first seconds.
+# What labkit and this run need beside torch, one line each: a missing one shows here, in the first seconds; then
+# whether Triton can build and launch a kernel at all.
 "$PYTHON" - > "$OUT/versions.txt" 2>&1 <<'EOF'
 import importlib
 import importlib.metadata
@@ -44,6 +45,26 @@ for name in ("torch", "transformers", "triton", "rich", "pytest", "hypothesis", 
     print(name, version or "unknown")
     if name == "torch":
         print("torch.version.cuda", module.version.cuda)
+
+# Triton builds a C launcher per kernel on first use: a missing compiler or Python.h shows here, not in every test.
+from labkit.runtime.runner import missing_build_tools
+
+print("triton build tools:", missing_build_tools() or "a C compiler and Python.h found")
+try:
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_one(x, n: tl.constexpr):
+        offsets = tl.arange(0, n)
+        tl.store(x + offsets, tl.load(x + offsets) + 1)
+
+    x = torch.zeros(16, device="cuda")
+    add_one[(1,)](x, 16)
+    print("triton compiles and launches a kernel:", "yes" if x.sum().item() == 16 else f"wrong result {x.tolist()}")
+except Exception as error:
+    print("triton compiles and launches a kernel: no,", type(error).__name__, str(error)[:2000])
 EOF
 
 # --continue-on-collection-errors: a test file that cannot import costs its own tests, not its session's others

@@ -379,6 +379,7 @@ def test_triton_needs_its_package_and_on_a_cpu_an_interpreter_that_runs_the_kern
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(runner.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(runner, "missing_build_tools", str)  # a machine that has them
     installed("3.7.0")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert runner.resolve_attention_backend("triton", gpu) == "triton"  # a GPU needs no interpreter
@@ -414,6 +415,7 @@ def test_auto_picks_triton_only_on_a_gpu_it_builds_for(monkeypatch, version, cap
         runner.importlib.metadata, "version", lambda name: version if name == "triton" else real_version(name)
     )
     monkeypatch.setattr(runner.torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(runner, "missing_build_tools", str)  # a machine that has them
     gpu = torch.device("cuda")
     assert runner.resolve_attention_backend("auto", gpu) == expected
     if expected == "torch":
@@ -421,3 +423,32 @@ def test_auto_picks_triton_only_on_a_gpu_it_builds_for(monkeypatch, version, cap
             runner.resolve_attention_backend("triton", gpu)
     else:
         assert runner.resolve_attention_backend("triton", gpu) == "triton"
+
+
+def test_without_a_c_compiler_or_pythons_headers_auto_picks_torch_and_says_why(monkeypatch, tmp_path) -> None:
+    """Triton builds a C launcher for each kernel on first use: on an image without gcc or Python.h the engine
+    must fall back to the torch attention before its first step, not fail inside it."""
+    from labkit.runtime import runner
+
+    pytest.importorskip("triton")
+    monkeypatch.setattr(runner.importlib.metadata, "version", lambda name: "3.6.0")
+    monkeypatch.setattr(runner.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    gpu = torch.device("cuda")
+    (tmp_path / "Python.h").write_text("")
+    monkeypatch.setattr(runner.sysconfig, "get_paths", lambda scheme=None: {"include": str(tmp_path)})
+    monkeypatch.setattr(runner.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert runner.missing_build_tools() == ""
+    assert runner.resolve_attention_backend("auto", gpu) == "triton"
+
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(runner.shutil, "which", lambda name: None)
+    assert "C compiler" in runner.missing_build_tools()
+    assert runner.resolve_attention_backend("auto", gpu) == "torch"
+    with pytest.raises(ValueError, match=r"none is installed.*use attention_backend='torch'"):
+        runner.resolve_attention_backend("triton", gpu)
+    monkeypatch.setenv("CC", "cc")  # Triton takes $CC first
+    assert runner.missing_build_tools() == ""
+
+    (tmp_path / "Python.h").unlink()
+    assert "has no Python.h" in runner.missing_build_tools()
+    assert runner.resolve_attention_backend("auto", gpu) == "torch"

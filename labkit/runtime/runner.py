@@ -16,6 +16,8 @@ import importlib.metadata
 import importlib.util
 import os
 import platform
+import shutil
+import sysconfig
 import time
 import weakref
 from contextlib import nullcontext
@@ -369,6 +371,10 @@ class ModelRunner:
         gc.collect()
         torch.cuda.empty_cache()
         activations = self._warm_up(block_size)
+        if self.use_cuda_graph:
+            from labkit.runtime.cuda_graphs import logits_bytes
+
+            activations += logits_bytes(self.config.max_num_seqs, self.vocab_size, self.dtype)
         free, _ = torch.cuda.mem_get_info(self.device)
         budget = int(CUDA_MEMORY_FRACTION * (free - activations))
         if self.attention_backend == "torch":  # Triton reads the blocks in place
@@ -604,6 +610,19 @@ def _why_no_triton_on(device: torch.device) -> str:
             f"labkit's kernels are built for compute capability {major}.{minor} and newer, this GPU has"
             f" {capability[0]}.{capability[1]}"
         )
+    return missing_build_tools()
+
+
+def missing_build_tools() -> str:
+    """What Triton lacks here to build its kernels' C launchers on first use ("" when nothing): a C compiler
+    ($CC, gcc or clang) and Python's headers. Slim container images often have neither; seen here, the engine
+    picks the torch attention with this reason, instead of failing at its first step."""
+    if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):
+        return "Triton compiles its kernels' launchers with a C compiler, and none is installed (gcc, clang or $CC)"
+    scheme = sysconfig.get_default_scheme()
+    headers = sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"]
+    if not os.path.exists(os.path.join(headers, "Python.h")):
+        return f"Triton compiles its kernels' launchers against Python's headers, and {headers} has no Python.h"
     return ""
 
 

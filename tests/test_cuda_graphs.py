@@ -189,3 +189,38 @@ def test_the_captured_forward_neither_syncs_nor_copies_from_the_host(
     assert graphs.num_replays >= 5
     assert recorder.ops["aten.embedding"] > 0, "the watched forward never ran"
     assert not CAPTURE_BREAKERS & set(recorder.ops), sorted(CAPTURE_BREAKERS & set(recorder.ops))
+
+
+def test_graphs_inputs_are_aligned_and_the_cache_leaves_room_for_their_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each bucket's graph keeps its own logits (rows x vocabulary): 1.3 GB for Qwen2.5-0.5B at 256 sequences,
+    enough to fail the capture on a 15 GB T4 whose cache took 90% of what was free. The runner leaves them aside:
+    what the graphs hold (on a CPU, under the interpreter, their warm-up outputs) is what it reserved."""
+    from labkit.runtime import runner as runner_module
+    from labkit.runtime.cuda_graphs import logits_bytes
+
+    if os.environ.get("TRITON_INTERPRET") != "1" or not runner_module.interpreter_runs_kernels():
+        pytest.skip("without CUDA this needs Triton's interpreter (TRITON_INTERPRET=1, triton>=3.7)")
+    pytest.importorskip("triton")
+    model = random_model("llama", "tiny", seed=0)
+    config = EngineConfig(attention_backend="triton", use_cuda_graph=True, block_size=8, num_blocks=16, max_num_seqs=10)
+    runner = Engine(model, config).runner
+    held = sum(output.nbytes for output in runner.graphs.outputs.values())  # buckets 1, 2, 4, 8, 10
+    assert held == logits_bytes(10, runner.vocab_size, runner.dtype) == 25 * runner.vocab_size * 4
+    # A graph's inputs start on 16 bytes at any max_num_seqs, as an eager step's do: Triton compiles a kernel
+    # anew for a pointer that does not, so every kernel would be built twice.
+    input_ids, batch = runner.graphs._inputs(8)
+    inputs = (input_ids, batch.position_ids, batch.slot_mapping, batch.seq_lens, batch.block_tables)
+    assert all(tensor.data_ptr() % 16 == 0 for tensor in inputs), [tensor.data_ptr() % 16 for tensor in inputs]
+
+    # Sizing the cache as on a GPU with 1 GB free and no other memory needed, graphs on and off.
+    monkeypatch.setattr(runner, "device", torch.device("cuda"))
+    monkeypatch.setattr(runner, "_warm_up", lambda block_size: 0)
+    monkeypatch.setattr(runner_module.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(runner_module.torch.cuda, "mem_get_info", lambda device: (2**30, 2**31))
+    per_block = runner_module.kv_bytes_per_block(model, 8)
+    with_graphs = runner._blocks_from_memory(8)
+    monkeypatch.setattr(runner, "use_cuda_graph", False)
+    without = runner._blocks_from_memory(8)
+    fraction = runner_module.CUDA_MEMORY_FRACTION
+    assert with_graphs == int(fraction * (2**30 - held)) // per_block
+    assert without == int(fraction * 2**30) // per_block

@@ -57,6 +57,13 @@ def bucket_sizes(max_batch: int) -> list[int]:
     return [*sizes, max_batch]
 
 
+def logits_bytes(max_batch: int, vocab_size: int, dtype: torch.dtype) -> int:
+    """GPU memory that the captured graphs keep beyond the KV cache: each bucket's graph holds its own logits
+    output (rows x vocabulary) for its replays. At 256 sequences and Qwen2.5-0.5B's 151,936-token vocabulary in
+    bfloat16 that is 1.3 GB, which the runner leaves aside when it sizes the cache from the memory left."""
+    return sum(bucket_sizes(max_batch)) * vocab_size * dtype.itemsize
+
+
 class DecodeGraphs:
     """Captured decode steps of one model over one KV cache, for every bucket up to ``max_batch`` requests.
 
@@ -82,12 +89,15 @@ class DecodeGraphs:
         self.captured = device.type == "cuda"
         # Static buffers. header = token ids | positions | slots | context lengths | sampling rows, max_batch each
         # (the graph reads the first four; the sampling rows pick the logits to sample from, after the replay).
-        self.header = torch.zeros(HEADER_PARTS * max_batch, dtype=torch.int32, device=device)
-        self.header[2 * max_batch : 3 * max_batch] = -1  # warm-up and capture store nothing
+        # Each part starts on 16 bytes, as the eager step's tensors do: Triton compiles a kernel anew for a pointer
+        # that is not, so a max_batch of 10 would otherwise build every kernel twice.
+        self.part_length = -(-max_batch // 4) * 4
+        self.header = torch.zeros(HEADER_PARTS * self.part_length, dtype=torch.int32, device=device)
+        self.header.view(HEADER_PARTS, self.part_length)[2] = -1  # warm-up and capture store nothing
         self.block_tables = torch.zeros((max_batch, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         pin = self.captured
-        self.host_header = torch.zeros(HEADER_PARTS * max_batch, dtype=torch.int32, pin_memory=pin)
+        self.host_header = torch.zeros(HEADER_PARTS * self.part_length, dtype=torch.int32, pin_memory=pin)
         self.host_tables = torch.zeros(max_batch * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
         self.copied = torch.cuda.Event() if self.captured else None  # the last copy out of the host buffers
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -99,7 +109,7 @@ class DecodeGraphs:
 
     def _inputs(self, size: int) -> tuple[torch.Tensor, TritonBatch]:
         """Views of the static buffers for a batch of ``size`` rows (the same addresses on every call)."""
-        ids, positions, slots, seq_lens, _ = self.header.view(HEADER_PARTS, self.max_batch)[:, :size]
+        ids, positions, slots, seq_lens, _ = self.header.view(HEADER_PARTS, self.part_length)[:, :size]
         batch = TritonBatch(
             cache=self.cache,
             slot_mapping=slots,
@@ -196,7 +206,7 @@ class DecodeGraphs:
         header = array("i", ids + zeros + positions + zeros + slots + no_slots + seq_lens + zeros + sampling_rows)
         if self.copied is not None:  # the pinned buffers are reused: the previous step's copy must have read them
             self.copied.synchronize()
-        host_header = self.host_header.view(HEADER_PARTS, self.max_batch)[:, :size]
+        host_header = self.host_header.view(HEADER_PARTS, self.part_length)[:, :size]
         host_header.copy_(torch.frombuffer(header, dtype=torch.int32).view(HEADER_PARTS, size))
         host_tables = self.host_tables[: n * width].view(n, width)
         host_tables.copy_(torch.frombuffer(flat_tables, dtype=torch.int32).view(n, width))
@@ -215,5 +225,5 @@ class DecodeGraphs:
         logits = self.outputs[size]
         if len(sample_rows) == len(chunks):  # every chunk samples: the first rows, as they are
             return logits[: len(chunks)], sampling
-        rows_index = self.header.view(HEADER_PARTS, self.max_batch)[-1, : len(sample_rows)]
+        rows_index = self.header.view(HEADER_PARTS, self.part_length)[-1, : len(sample_rows)]
         return logits.index_select(0, rows_index), sampling

@@ -39,6 +39,8 @@ class MySampler(Sampler):
         times the kept mass, strictly (inverse CDF; a cumulative probability equal to it picks the next token):
         the same uniform must draw the same token as labkit's sampler. Use
         no other randomness (the checker calls it twice with the same input). You may loop over the rows.
+        Make each new tensor on the input's device (``torch.arange(vocab, device=logits.device)``): on a GPU
+        the engine hands you CUDA tensors, and mixing them with one made on the CPU raises.
         Greedy requests (temperature 0) never reach ``sample_rows``: ``Sampler.sample`` takes their argmax.
         """
         raise NotImplementedError("Exercise 6")

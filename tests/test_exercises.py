@@ -1910,6 +1910,31 @@ def test_ex6_an_inverse_cdf_that_is_not_strict_is_named_at_an_exact_boundary():
     assert "strictly (torch.searchsorted needs right=True)" in text
 
 
+class RankMadeOnTheCpu(Sampler):
+    """labkit's steps, vectorised, with the top-k rank made by torch.arange(vocab) without device=: right on the
+    CPU, where everything is, but on a GPU the rank is on the CPU and the logits are not."""
+
+    def sample_rows(self, logits, temperature, top_k, top_p, uniform):
+        vocab = logits.shape[-1]
+        sorted_logits, ids = (logits / temperature[:, None]).sort(dim=-1, descending=True, stable=True)
+        beyond_k = torch.arange(vocab) >= torch.where(top_k > 0, top_k, vocab)[:, None]
+        probs = sorted_logits.masked_fill(beyond_k, float("-inf")).softmax(dim=-1)
+        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p[:, None], 0.0)
+        cdf = probs.double().cumsum(dim=-1)
+        index = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp_(max=vocab - 1)
+        return ids.gather(1, index).squeeze(1)
+
+
+def test_ex6_a_tensor_made_without_the_logits_device_is_named():
+    """Without a GPU the case runs on meta, where the CPU rank cannot mix with the rows, as on a GPU it cannot."""
+    name = "rows on a GPU (or, without one, on meta) mix no devices"
+    text = only_failure(6, RankMadeOnTheCpu, name)
+    device = "cuda" if torch.cuda.is_available() else "meta"
+    assert f"every tensor on {device}" in text and "your code raised RuntimeError" in text
+    assert "beyond_k = torch.arange(vocab)" in text  # the line where the CPU tensor meets the rows
+    assert "make every tensor you create on logits.device: torch.arange(vocab, device=logits.device)" in text
+
+
 @pytest.mark.parametrize(
     ("returns", "says"),
     [

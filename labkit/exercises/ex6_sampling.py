@@ -3,7 +3,9 @@
 A row's token is a function of its logits, its parameters and its uniform number, so a case sweeps the
 uniform over a fine grid: the tokens drawn, and how often, are the row's sampling distribution, which
 must equal labkit's. A token the filters should have removed is named outright, unless it is what a walk against
-the uniform alone (not scaled by the kept mass) falls through to, which is named as that.
+the uniform alone (not scaled by the kept mass) falls through to, which is named as that. One case hands the rows
+over on a GPU, or on torch's data-less meta device without one, as the engine does on a GPU: a tensor the sampler
+makes without ``device=logits.device`` is then on another device than the rows.
 """
 
 from __future__ import annotations
@@ -18,18 +20,31 @@ GRID = [(i + 0.5) / 400 for i in range(400)]  # uniforms, away from every bounda
 PROBS = [0.5, 0.3, 0.15, 0.05]  # the default row: token 0 is the most likely
 
 
+def _rows(
+    logits: list[list[float]], params: list[tuple[float, int, float]], uniforms: list[float], device: str = "cpu"
+) -> dict[str, Any]:
+    """sample_rows' arguments for a batch, as the engine hands them over: tensors on ``device``."""
+    import torch
+
+    return dict(
+        logits=torch.tensor(logits, dtype=torch.float32, device=device),
+        temperature=torch.tensor([p[0] for p in params], dtype=torch.float32, device=device),
+        top_k=torch.tensor([p[1] for p in params], device=device),
+        top_p=torch.tensor([p[2] for p in params], dtype=torch.float32, device=device),
+        uniform=torch.tensor(uniforms, dtype=torch.float64, device=device),
+    )
+
+
 def _draw(
-    sampler: Any, logits: list[list[float]], params: list[tuple[float, int, float]], uniforms: list[float]
+    sampler: Any,
+    logits: list[list[float]],
+    params: list[tuple[float, int, float]],
+    uniforms: list[float],
+    device: str = "cpu",
 ) -> list[int]:
     import torch
 
-    result = sampler.sample_rows(
-        torch.tensor(logits, dtype=torch.float32),
-        temperature=torch.tensor([p[0] for p in params], dtype=torch.float32),
-        top_k=torch.tensor([p[1] for p in params]),
-        top_p=torch.tensor([p[2] for p in params], dtype=torch.float32),
-        uniform=torch.tensor(uniforms, dtype=torch.float64),
-    )
+    result = sampler.sample_rows(**_rows(logits, params, uniforms, device))
     if not isinstance(result, torch.Tensor) or tuple(result.shape) != (len(logits),):
         kind = f"a tensor of shape {tuple(result.shape)}" if isinstance(result, torch.Tensor) else _kind(result)
         want = f"a ({len(logits)},) tensor of token ids, one per row"
@@ -405,6 +420,46 @@ def _own_parameters(cls: Any) -> None:
             raise Mismatch(text, want, f"shares {_shares(got[rows])}", PER_ROW_HINT)
 
 
+DEVICE_UNIFORMS = GRID[::40]  # a few uniforms per setting: every step runs, in a batch small enough to loop over
+
+
+def _on_device(cls: Any) -> None:
+    """The rows of SETTINGS, a few uniforms each, handed over on another device than the CPU, as the engine does on
+    a GPU: on CUDA where there is one, whose tokens must be labkit's there too.
+
+    Without a GPU they go on the ``meta`` device: tensors with a shape and a device but no data, so a tensor the
+    sampler makes without ``device=`` lands on the CPU, and mixing it with the rows raises as on a GPU. Meta checks
+    the devices where most ops do (elementwise ones, torch.where, torch.cat), not in every one (matmul, gather and
+    searchsorted let a CPU tensor through), and it has no values to give: a sampler that reads one on the host
+    (.item(), .tolist(), a Python ``if`` on a tensor) is checked up to that read, and passes there."""
+    import torch
+
+    from labkit.runtime.sampling import Sampler
+
+    params = [setting for setting in SETTINGS for _ in DEVICE_UNIFORMS]
+    batch = [[math.log(p) for p in PROBS]] * len(params), params, DEVICE_UNIFORMS * len(SETTINGS)
+    device = "cuda" if torch.cuda.is_available() else "meta"
+    text = (
+        f"logits = log({PROBS}) in every row; for each (temperature, top_k, top_p) in {SETTINGS},"
+        f" {len(DEVICE_UNIFORMS)} uniforms in (0, 1); every tensor on {device}"
+    )
+    if device == "cuda":
+        showing(text)
+        got, expected = _draw(cls(), *batch, device=device), _draw(Sampler(), *batch, device=device)
+        if got != expected:
+            raise Mismatch(text, f"labkit's tokens on cuda, {expected}", f"{got}", CUDA_HINT)
+        return
+    showing(text.replace("every tensor on meta", "on the CPU, before the same on meta"))
+    _draw(cls(), *batch)  # on the CPU first: a stub, or the sampler's own error, is reported as itself
+    showing(f"{text}, {META_NOTE}")
+    try:
+        cls().sample_rows(**_rows(*batch, device=device))
+    except RuntimeError as error:  # NotImplementedError too, which meta raises for an op it cannot run without data
+        if isinstance(error, NotImplementedError) or "device" not in str(error).lower():
+            return  # a value read on the host, which meta has not got: up to it, the sampler mixed no devices
+        raise
+
+
 def _strategy() -> Any:
     """A row's logits, its (temperature, top_k, top_p) and its uniform.
 
@@ -443,6 +498,21 @@ def _property(cls: Any, example: Any) -> None:
         raise Mismatch(text, f"token {expected[0]}", f"token {wrong}", hint)
 
 
+META_NOTE = (
+    "torch's device with no data, standing in for a GPU here: a tensor made without device= is on the CPU, and"
+    " mixing it with these raises, as on a GPU"
+)
+DEVICE_HINT = (
+    "make every tensor you create on logits.device: torch.arange(vocab, device=logits.device), likewise"
+    " torch.full/zeros/tensor(..., device=logits.device), or torch.zeros_like(logits) and logits.new_full(...),"
+    " which take it from logits. On a GPU the engine hands you CUDA tensors, and one made without device= is on the"
+    ' CPU: mixing the two raises "Expected all tensors to be on the same device"'
+)
+CUDA_HINT = (
+    "on the GPU your sampler draws other tokens than labkit's for rows it draws right on the CPU (the cases"
+    " above): look for a step whose result depends on where it runs, e.g. a sort without stable=True, or the walk's"
+    " cumulative sum kept in float32 (labkit's sums in float64)"
+)
 PER_ROW_HINT = (
     "each row has its own temperature, top_k and top_p: use row i's values for row i (e.g. logits /"
     " temperature[:, None], and a cut-off per row for top_k and top_p), never the first row's for all"
@@ -599,6 +669,7 @@ CASES = [
         _batch_invariance,
         "rows are independent: row i's token depends only on row i's logits, parameters and uniform",
     ),
+    Case("rows on a GPU (or, without one, on meta) mix no devices", _on_device, DEVICE_HINT),
     property_case("random rows draw like labkit's sampler", _strategy, _property, hint=STEPS_HINT),
 ]
 

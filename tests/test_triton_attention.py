@@ -398,6 +398,39 @@ def test_triton_needs_its_package_and_on_a_cpu_an_interpreter_that_runs_the_kern
 
 
 @pytest.mark.parametrize(
+    ("version", "capability", "why"),
+    [
+        ("3.6.0", (9, 0), ""),
+        ("3.5.1", (9, 0), "labkit's kernels need triton>=3.6, this is 3.5.1"),
+        ("3.6.0", (7, 0), "built for compute capability 7.5 and newer, this GPU has 7.0"),
+        (None, (9, 0), "need the triton package, which is not installed (pip install 'labkit-batching[gpu]')"),
+    ],
+    ids=["runs", "old-triton", "old-gpu", "no-triton"],
+)
+def test_why_no_triton_says_why_auto_takes_the_torch_attention_on_a_gpu(monkeypatch, version, capability, why):
+    """What a notebook prints beside attention_backend='torch' (and no CUDA graphs) on CUDA: the reason, which
+    "auto" acts on; "" where the Triton kernels run."""
+    import importlib.metadata
+
+    from labkit.runtime import runner
+
+    real_version, real_find_spec = importlib.metadata.version, runner.importlib.util.find_spec
+    monkeypatch.setattr(
+        runner.importlib.metadata, "version", lambda name: version if name == "triton" else real_version(name)
+    )
+    monkeypatch.setattr(
+        runner.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "triton" and version is None else real_find_spec(name, *a),
+    )
+    monkeypatch.setattr(runner.torch.cuda, "get_device_capability", lambda device=None: capability)
+    gpu = torch.device("cuda")
+    said = runner.why_no_triton(gpu)
+    assert (why in said) if why else said == ""
+    assert runner.resolve_attention_backend("auto", gpu) == ("torch" if why else "triton")
+
+
+@pytest.mark.parametrize(
     ("version", "capability", "expected"),
     [("3.6.0", (9, 0), "triton"), ("3.6.0", (7, 5), "triton"), ("3.5.1", (9, 0), "torch"), ("3.6.0", (7, 0), "torch")],
 )

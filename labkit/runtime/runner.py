@@ -54,6 +54,7 @@ MIN_TRITON = (3, 6)
 INTERPRETER_MIN_TRITON = (3, 7)
 # The oldest NVIDIA GPUs labkit's kernels are built for: compute capability 7.5 (a T4).
 MIN_TRITON_CAPABILITY = (7, 5)
+INSTALL_TRITON = "pip install 'labkit-batching[gpu]'"  # the extra that brings triton, named where it is missing
 WARM_UP_TOKENS = 64  # a small prefill when the engine starts on a GPU: Triton compiles the prefill kernel then
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -578,13 +579,12 @@ def resolve_dtype(dtype: Any) -> torch.dtype | None:
 def resolve_attention_backend(backend: str, device: torch.device) -> str:
     """``"auto"`` is Triton on a CUDA GPU it compiles for, else torch; ``"triton"`` needs one of the two places
     Triton kernels run: such a GPU, or (for tests, slowly) Triton's CPU interpreter (TRITON_INTERPRET=1)."""
-    has_triton = importlib.util.find_spec("triton") is not None
     if backend == "auto":
-        return "triton" if device.type == "cuda" and has_triton and not _why_no_triton_on(device) else "torch"
+        return "triton" if device.type == "cuda" and not why_no_triton(device) else "torch"
     if backend == "triton":
-        if not has_triton:
-            raise ValueError("attention_backend='triton' needs the triton package (pip install 'labkit-batching[gpu]')")
-        if device.type == "cuda" and (why := _why_no_triton_on(device)):
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError(f"attention_backend='triton' needs the triton package ({INSTALL_TRITON})")
+        if device.type == "cuda" and (why := why_no_triton(device)):
             raise ValueError(f"attention_backend='triton': {why}; use attention_backend='torch'")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
@@ -598,8 +598,12 @@ def resolve_attention_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _why_no_triton_on(device: torch.device) -> str:
-    """Why labkit's Triton kernels do not run on this CUDA device ("" when they do)."""
+def why_no_triton(device: torch.device) -> str:
+    """Why labkit's Triton kernels do not run on this CUDA device, "" when they do: no triton, one too old, or a
+    GPU older than the kernels are built for. ``attention_backend="auto"`` then takes the torch attention, and with
+    it decode runs without CUDA graphs (they replay Triton's launches): this says why, where a run shows neither."""
+    if importlib.util.find_spec("triton") is None:
+        return f"labkit's kernels need the triton package, which is not installed ({INSTALL_TRITON})"
     version = triton_version()
     if Version(version).release < MIN_TRITON:
         return f"labkit's kernels need triton>={'.'.join(map(str, MIN_TRITON))}, this is {version}"

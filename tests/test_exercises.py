@@ -68,6 +68,25 @@ def test_where_labkit_is_installed_without_the_repository_start_writes_the_stubs
     assert "Your file for exercise 1 is exercises/ex1_block_allocator.py" in capsys.readouterr().out
 
 
+def test_on_colab_start_says_how_to_check_and_keep_the_file(tmp_path, monkeypatch, capsys):
+    """Colab has labkit but not the repository's tests, so pytest -m exN collects nothing there, and its runtime's
+    files vanish when it is recycled: start_exercise says to check with labkit check and to save the file."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(framework, "LABKIT_DIR", tmp_path / "site-packages" / "labkit")  # no repository beside it
+    monkeypatch.delenv(framework.EXERCISES_DIR_ENV, raising=False)
+    start_exercise(6)
+    assert "On Colab" not in capsys.readouterr().out  # elsewhere, as before
+    monkeypatch.setitem(sys.modules, "google.colab", type(sys)("google.colab"))
+    (tmp_path / "exercises" / get(6).filename).unlink()
+    for said in ("Wrote the stubs of exercise 6", "Your file for exercise 6 is"):  # written first, then found
+        start_exercise(6)
+        out = " ".join(capsys.readouterr().out.split())
+        assert said in out and "check(6) in a cell" in out and "!labkit check 6" in out
+        assert "pytest -m ex6 exercises/ needs the repository's tests, which Colab has not got" in out
+        assert f"{(tmp_path / 'exercises' / get(6).filename).resolve()} lives on this runtime only" in out
+        assert "downloading it from the file browser" in out and "Google Drive" in out
+
+
 def test_start_refuses_stubs_that_hold_a_solution(tmp_path, monkeypatch):
     """The stubs travel in the wheel as links to exercises/: a wheel built from a checkout with solved exercises
     would hand its solutions to every learner as stubs. start_exercise refuses those instead of writing them."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+import sys
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,7 @@ def start_exercise(number: int, folder: str | os.PathLike[str] = "exercises") ->
     found = find_learner_file(exercise)
     if found is not None:
         print(f"Your file for exercise {number} is {display_path(found)}: fill in its stubs, then check again.")
+        _on_colab(number, found)
         return found
     stubs = (files(__name__) / "stubs" / exercise.filename).read_text()
     if f'NotImplementedError("Exercise {number}")' not in stubs:
@@ -81,7 +83,22 @@ def start_exercise(number: int, folder: str | os.PathLike[str] = "exercises") ->
         f"Wrote the stubs of exercise {number} to {display_path(target)}: open it (on Colab, from the file browser"
         " on the left), fill them in, save, then check again."
     )
+    _on_colab(number, target)
     return target
+
+
+def _on_colab(number: int, file: Path) -> None:
+    """On Colab, how to check ``file`` and keep it: labkit came without the repository, whose tests ``pytest -m exN``
+    runs, and the runtime's disk, ``file`` with it, is wiped when Colab recycles the runtime."""
+    if "google.colab" not in sys.modules:
+        return
+    print(
+        f"On Colab, check it with check({number}) in a cell, as the exercise's notebook does, or !labkit check"
+        f" {number}: pytest -m ex{number} exercises/ needs the repository's tests, which Colab has not got."
+        f" {file.resolve()} lives on this runtime only and vanishes when Colab recycles it (idle, or at the end of"
+        " the session): save it before you leave, by downloading it from the file browser (right-click, Download)"
+        " or copying it to your Google Drive."
+    )
 
 
 def check(

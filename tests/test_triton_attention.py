@@ -424,6 +424,7 @@ def test_why_no_triton_says_why_auto_takes_the_torch_attention_on_a_gpu(monkeypa
         lambda name, *a: None if name == "triton" and version is None else real_find_spec(name, *a),
     )
     monkeypatch.setattr(runner.torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(runner, "missing_build_tools", str)  # a machine that has them
     gpu = torch.device("cuda")
     said = runner.why_no_triton(gpu)
     assert (why in said) if why else said == ""

@@ -599,9 +599,10 @@ def resolve_attention_backend(backend: str, device: torch.device) -> str:
 
 
 def why_no_triton(device: torch.device) -> str:
-    """Why labkit's Triton kernels do not run on this CUDA device, "" when they do: no triton, one too old, or a
-    GPU older than the kernels are built for. ``attention_backend="auto"`` then takes the torch attention, and with
-    it decode runs without CUDA graphs (they replay Triton's launches): this says why, where a run shows neither."""
+    """Why labkit's Triton kernels do not run on this CUDA device, "" when they do: no triton, one too old, a GPU
+    older than the kernels are built for, or nothing to build their launchers with. ``attention_backend="auto"``
+    then takes the torch attention, and with it decode runs without CUDA graphs (they replay Triton's launches):
+    this says why, where a run shows neither."""
     if importlib.util.find_spec("triton") is None:
         return f"labkit's kernels need the triton package, which is not installed ({INSTALL_TRITON})"
     version = triton_version()

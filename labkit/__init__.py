@@ -21,7 +21,7 @@ from labkit.core import engine as _engine
 from labkit.core.config import EngineConfig
 from labkit.core.engine import Engine
 from labkit.core.report import StepReport, load_trace, save_trace
-from labkit.core.request import RequestOutput, SamplingParams
+from labkit.core.request import RequestOutput, SamplingParams, where_outputs_part
 from labkit.core.sim import CostModel, SimulatedModel
 from labkit.runtime.hf import GenerationResult, generate_batch
 
@@ -57,5 +57,6 @@ __all__ = [
     "generate_batch",
     "load_trace",
     "save_trace",
+    "where_outputs_part",
 ]
 __version__ = "0.1.0"

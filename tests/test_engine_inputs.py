@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
-from labkit import Engine, EngineConfig, SamplingParams
+from labkit import Engine, EngineConfig, RequestOutput, SamplingParams, where_outputs_part
 from labkit.runtime import runner
 from labkit.runtime.attention import ATTENTION_NAME, paged_attention, slot_mapping
 from labkit.runtime.hf import generate_batch
@@ -429,3 +429,22 @@ def test_static_dead_rows_on_a_block_boundary(model, greedy_reference):
     expected = [greedy_reference(model, [5] * 4, 5), greedy_reference(model, [6] * 4, 9)]
     assert [o.output_token_ids for o in outputs] == expected
     assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_where_outputs_part_names_the_first_token_that_differs_in_each_request() -> None:
+    """The message of a failing token-for-token check in the notebooks: which requests, at which output token,
+    and each run's token there; "" for equal runs, so that ``assert not parted, parted`` passes."""
+
+    def outputs(*runs: list[int]) -> list[RequestOutput]:
+        return [RequestOutput(i, [1, 2], tokens, None, "length", None) for i, tokens in enumerate(runs)]
+
+    expected = outputs([5, 6, 7], [8, 9], [3, 3, 3])
+    assert where_outputs_part(expected, outputs([5, 6, 7], [8, 9], [3, 3, 3])) == ""
+    said = where_outputs_part(expected, outputs([5, 6, 7], [8, 4], [3, 3]), ("labkit's engine", "yours"))
+    assert said == (
+        "request 1 parts at output token 1: labkit's engine 9, yours 4;"
+        " request 2 parts at output token 2: labkit's engine 3, yours no token (it ended)"
+    )
+    many = where_outputs_part(outputs(*[[1]] * 5), outputs(*[[2]] * 5))
+    assert many.count("parts at") == 3 and many.endswith("; 2 more requests differ")
+    assert where_outputs_part(expected, expected[:2]) == "expected has 3 outputs, got 2"

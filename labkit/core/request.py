@@ -10,7 +10,7 @@ import math
 import numbers
 import operator
 import reprlib
-from collections.abc import Mapping, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, cast
@@ -187,6 +187,31 @@ class RequestOutput:
             "metrics": vars(self.metrics).copy(),
             "num_cached_tokens": self.num_cached_tokens,
         }
+
+
+def where_outputs_part(
+    expected: Sequence[RequestOutput], got: Sequence[RequestOutput], names: tuple[str, str] = ("expected", "got")
+) -> str:
+    """Where two runs of the same requests part, as one line for a failing check's message ("" if they do not).
+
+    For each request whose outputs differ: the first output token where they do, and each run's token there, so a
+    token-for-token check says where a run went its own way (a near-tie flipped, a wrong block read), not only
+    that it did. Three requests at most are named.
+    """
+    if len(expected) != len(got):
+        return f"{names[0]} has {len(expected)} outputs, {names[1]} {len(got)}"
+    parted = []
+    for a, b in zip(expected, got, strict=True):
+        first, second = a.output_token_ids, b.output_token_ids
+        if first != second:
+            pairs = zip(first, second, strict=False)  # one run may have ended earlier
+            at = next((i for i, (x, y) in enumerate(pairs) if x != y), min(len(first), len(second)))
+            tokens = [str(run[at]) if at < len(run) else "no token (it ended)" for run in (first, second)]
+            parted.append(
+                f"request {a.request_id} parts at output token {at}: {names[0]} {tokens[0]}, {names[1]} {tokens[1]}"
+            )
+    more = [f"{len(parted) - 3} more requests differ"] if len(parted) > 3 else []
+    return "; ".join(parted[:3] + more)
 
 
 def prompt_token_ids(prompt: object, vocab_size: int | None = None, max_model_len: int | None = None) -> list[int]:

@@ -904,3 +904,56 @@ def test_cached_blocks_a_failed_step_reused_are_never_handed_out(model):
     (third,) = engine.generate([prompt_a], SamplingParams(max_new_tokens=2))
     assert third.num_cached_tokens == 16  # ...and the prefix cached afresh by the recomputation
     assert third.output_token_ids == again.output_token_ids[:2]
+
+
+@pytest.mark.parametrize(
+    ("where", "async_scheduling"),
+    [
+        ("scheduler._finish", False),
+        ("engine._note_first_scheduled", False),
+        ("scheduler._finish", True),
+        ("engine._note_first_scheduled", True),
+        ("engine._note_given_back", True),
+    ],
+)
+def test_a_ctrl_c_during_a_steps_commit_waits_for_its_end(monkeypatch, where, async_scheduling):
+    """A SIGINT that arrives after the scheduler committed (finishing a request, noting a first schedule, bringing a
+    launched step's report up to date) is raised only once the step is whole: the engine then serves every request
+    as if nothing happened. Raised in the middle, it left a finished request running with no blocks, or a launched
+    step never resolved, and every later step failing."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own: a KeyboardInterrupt
+    config = EngineConfig(block_size=4, num_blocks=16, max_batch_tokens=16, async_scheduling=async_scheduling)
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (2, 5, 3)]
+    reference = [o.output_token_ids for o in Engine(SimulatedModel(), config).generate(prompts, params)]
+
+    engine = Engine(SimulatedModel(), config)
+    ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+    owner_name, method = where.split(".")
+    owner = engine.scheduler if owner_name == "scheduler" else engine
+    original, armed = getattr(owner, method), [True]
+
+    def interrupted(*args: Any) -> Any:
+        if armed[0] and engine.scheduler.step_index >= 1:
+            armed[0] = False
+            signal.raise_signal(signal.SIGINT)  # as a Ctrl-C: Python raises it at the next bytecode it runs
+        return original(*args)
+
+    monkeypatch.setattr(owner, method, interrupted)
+    reports, interrupts = [], 0
+    engine.step_listeners.append(reports.append)
+    for _ in range(40):
+        if not engine.has_unfinished():
+            break
+        try:
+            engine.step()
+        except KeyboardInterrupt:
+            interrupts += 1
+    assert interrupts == 1 and not armed[0]
+    assert [engine.requests[i].output_token_ids for i in ids] == reference
+    assert engine.num_free_blocks == engine.num_blocks
+    steps = [report.step for report in reports]
+    assert len(steps) == len(set(steps)) == max(steps), steps  # listeners got every step once, the interrupted too
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -27,6 +27,7 @@ from typing import Any, Protocol, cast
 
 from labkit.core.blocks import BlockAllocator
 from labkit.core.config import EngineConfig
+from labkit.core.interrupts import HeldInterrupt
 from labkit.core.report import ScheduledWork, StepReport
 from labkit.core.request import (
     PENDING_TOKEN,
@@ -158,6 +159,7 @@ class Engine:
         self._ids = itertools.count()
         self._aborted: list[Request] = []  # aborted between steps: reported with the next step
         self._ahead: deque[_LaunchedStep] = deque()  # async scheduling: committed steps whose tokens are not read
+        self._commit_interrupt = HeldInterrupt()  # a Ctrl-C waits for the end of a step's commit
 
     # ------------------------------------------------------------------ state
     @property
@@ -282,8 +284,9 @@ class Engine:
         A step is all or nothing. If anything raises before the scheduler commits (in ``schedule``, the
         model, the sampler, a plugged-in allocator or scheduler, a KeyboardInterrupt), the step is rolled
         back: queues, block tables, free blocks and every request are as they were, the exception
-        propagates, and the next ``step()`` does the same work again. Step listeners run after the
-        commit: one that raises does not undo the step.
+        propagates, and the next ``step()`` does the same work again. A Ctrl-C that comes during the commit
+        waits for its end (``labkit.core.interrupts``). Step listeners run after the commit: one that raises
+        does not undo the step.
 
         With async scheduling each call launches the next step first and then finishes the oldest one
         launched (the first call launches two), so the report that comes back is one step behind the
@@ -291,7 +294,7 @@ class Engine:
         """
         if self.config.async_scheduling:
             return self._step_ahead()
-        scheduler = self.scheduler
+        scheduler, held = self.scheduler, self._commit_interrupt
         output = None
         try:
             output = scheduler.schedule()
@@ -299,14 +302,23 @@ class Engine:
             start = self.clock()
             sampled = [] if output.is_empty else self.runner.execute(output, self.allocator)
             end = self.clock()
+            held.hold()
             finished = scheduler.update(output, sampled, end)  # the commit
         except BaseException:
             scheduler.rollback(output)
+            held.deliver()
             raise
-        self._note_first_scheduled(output, start)
-        finished[:0] = self._aborted
-        self._aborted = []
-        return self._publish(self._report(output, sampled, finished, start, end, self._report_state(free_in_step)))
+        try:
+            self._note_first_scheduled(output, start)
+            finished[:0] = self._aborted
+            self._aborted = []
+            report = self._report(output, sampled, finished, start, end, self._report_state(free_in_step))
+        finally:
+            held.release()
+        try:
+            return self._publish(report)
+        finally:
+            held.deliver()  # the step is whole and reported: a Ctrl-C held meanwhile is raised now
 
     def _step_ahead(self) -> StepReport:
         """Async scheduling: keep two steps launched, then finish the older one."""
@@ -343,12 +355,17 @@ class Engine:
             previous = self._ahead[-1].handle if self._ahead else None
             handle = None if output.is_empty else runner.launch(output, self.allocator, previous)
             placeholders = [PENDING_TOKEN] * sum(1 for chunk in output.chunks if chunk.samples)
+            self._commit_interrupt.hold()
             finished = scheduler.update(output, placeholders, start)  # the commit, tokens to follow
         except BaseException:
             scheduler.rollback(output)
+            self._commit_interrupt.deliver()
             raise
-        self._note_first_scheduled(output, start)
-        self._ahead.append(_LaunchedStep(output, handle, finished, start, self._report_state(free_in_step)))
+        try:
+            self._note_first_scheduled(output, start)
+            self._ahead.append(_LaunchedStep(output, handle, finished, start, self._report_state(free_in_step)))
+        finally:
+            self._commit_interrupt.deliver()  # the step is committed and in the queue of launched ones
         return True
 
     def _finish_oldest(self) -> StepReport:
@@ -357,17 +374,25 @@ class Engine:
         sampled = [] if step.handle is None else runner.collect(step.handle)
         ready = None if step.handle is None else runner.ready_time(step.handle)
         end = self.clock() if ready is None else ready  # not the next step's time, which may have run since
-        kept, stopped = self.scheduler.resolve(step.output, sampled, end)
-        self._ahead.popleft()
-        # What stopped requests gave back goes to the next report: its step had already claimed its own blocks.
-        later = self._ahead[0] if self._ahead else step
-        self._note_given_back(later)
-        if stopped and later is not step:  # reported now, not when the next step's commit finished or preempted them
-            later.finished[:] = [r for r in later.finished if r not in stopped]
-            later.output.preempted[:] = [r for r in later.output.preempted if r not in stopped]
-        finished = self._aborted + step.finished + [r for r in stopped if r not in step.finished]
-        self._aborted = []
-        return self._publish(self._report(step.output, kept, finished, step.start, end, step.state))
+        self._commit_interrupt.hold()
+        try:
+            kept, stopped = self.scheduler.resolve(step.output, sampled, end)  # all or nothing, and then committed
+            self._ahead.popleft()
+            # What stopped requests gave back goes to the next report: its step had already claimed its own blocks.
+            later = self._ahead[0] if self._ahead else step
+            self._note_given_back(later)
+            if stopped and later is not step:  # reported now, not when the next step's commit finished them
+                later.finished[:] = [r for r in later.finished if r not in stopped]
+                later.output.preempted[:] = [r for r in later.output.preempted if r not in stopped]
+            finished = self._aborted + step.finished + [r for r in stopped if r not in step.finished]
+            self._aborted = []
+            report = self._report(step.output, kept, finished, step.start, end, step.state)
+        finally:
+            self._commit_interrupt.release()
+        try:
+            return self._publish(report)
+        finally:
+            self._commit_interrupt.deliver()
 
     def _note_given_back(self, step: _LaunchedStep) -> None:
         """Bring ``step``'s report up to now: the block events since the last report, the free blocks and queues.

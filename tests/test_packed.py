@@ -107,6 +107,34 @@ def test_changed_weights_are_packed_again_before_the_next_step():
     assert not any(layer.stale() for layer in layers)
 
 
+def test_a_repack_cut_short_leaves_no_layer_switched_and_packs_again_next_step(monkeypatch):
+    """A Ctrl-C (or MemoryError) while changed weights are packed again: the layer stays stale, so the next step
+    packs it whole, and the layers switched before it go back to nn.Linear's forward. A layer noted fresh before
+    its copy was made would serve its old weights for good, and a switched one would serve model.generate too."""
+    model = small_model()
+    engine = Engine(model, EngineConfig(block_size=4, num_blocks=64, device="cpu", pack_weights=True))
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    prompt = list(range(3, 20))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.mul_(-1.0)
+    reorder, calls = torch.ops.mkldnn._reorder_linear_weight, []
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) == 2:  # the second layer's repack
+            raise KeyboardInterrupt
+        return reorder(*args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate([prompt], params)
+    monkeypatch.undo()
+    assert not [name for name, module in model.named_modules() if "forward" in module.__dict__]
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :].tolist()
+    assert engine.generate([prompt], params)[0].output_token_ids == expected
+
+
 @pytest.mark.parametrize("faster", [True, False])
 def test_by_default_packing_is_kept_where_it_was_measured_faster(monkeypatch, faster):
     """oneDNN's packed kernels beat MKL's on some CPUs and lose on others: the default measures, once per model."""

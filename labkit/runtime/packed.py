@@ -133,14 +133,14 @@ class PackedLinears:
         already has a ``forward`` of its own there (a hook, as accelerate installs) keeps it, unpacked.
         """
         switched = []
-        for layer in self.layers:
-            if "forward" in layer.module.__dict__:
-                continue
-            if layer.stale():
-                layer.pack()
-            layer.module.__dict__["forward"] = layer
-            switched.append(layer.module)
-        try:
+        try:  # a re-pack that fails (out of memory, a Ctrl-C) leaves no layer switched outside the block
+            for layer in self.layers:
+                if "forward" in layer.module.__dict__:
+                    continue
+                if layer.stale():
+                    layer.pack()
+                layer.module.__dict__["forward"] = layer
+                switched.append(layer.module)
             yield
         finally:
             for module in switched:
@@ -156,11 +156,15 @@ class PackedLayer:
         self.pack()
 
     def pack(self) -> None:
-        """Copy the layer's current weight into oneDNN's layout, and remember what the copy was made from."""
-        self.source = _source(self.module)
+        """Copy the layer's current weight into oneDNN's layout, and remember what the copy was made from.
+
+        What it was made from is noted last, once the copy is whole: a pack cut short leaves the layer stale.
+        """
+        source = _source(self.module)
         with torch.no_grad():
             self.weight = torch.ops.mkldnn._reorder_linear_weight(self.module.weight.detach(), PACKED_MAX_ROWS)
         self.bias = None if self.module.bias is None else self.module.bias.detach()
+        self.source = source
 
     def stale(self) -> bool:
         """Whether the layer's weight or bias was replaced, given new data or written in place since it was packed."""

@@ -428,6 +428,25 @@ def test_a_refused_engine_leaves_the_model_as_it_was(model):
     model.to(torch.float32)
 
 
+@pytest.mark.parametrize(("pack_weights", "step"), [(True, "pack"), (None, "faster_than_linear")])
+def test_an_engine_whose_weight_packing_fails_leaves_the_model_as_it_was(model, monkeypatch, pack_weights, step):
+    """Packing copies the weights (out of memory) and, by default, times them (a Ctrl-C), after the runner converted
+    the model: either failure refuses the engine with the model back in its dtype."""
+    from labkit.runtime import packed
+
+    owner = packed.PackedLayer if step == "pack" else packed.PackedLinears
+
+    def fails(self):
+        raise MemoryError("no room for a second copy of the weights")
+
+    monkeypatch.setattr(owner, step, fails)
+    monkeypatch.setattr(packed, "_FASTER", type(packed._FASTER)())  # as if no engine had timed this model yet
+    config = EngineConfig(num_blocks=8, device="cpu", dtype="bfloat16", pack_weights=pack_weights)
+    with pytest.raises(MemoryError):
+        Engine(model, config)
+    assert next(model.parameters()).dtype == torch.float32
+
+
 @pytest.mark.parametrize("part", ["allocator_cls", "scheduler_cls"])
 def test_a_factory_that_makes_no_allocator_or_scheduler_is_refused_at_construction(part):
     with pytest.raises(TypeError, match=rf"{part} made a NoneType, not a"):

@@ -150,17 +150,21 @@ class ModelRunner:
         self.attention_fn = attention_fn
         self.sampler = Sampler() if sampler is None else sampler
         self.cache: PagedKVCache | None = None
-        if config.pack_weights is None:  # packed where this CPU runs packed weights faster (runtime.packed)
-            self.packed_linears = PackedLinears.if_faster(self.model)
-        else:
-            self.packed_linears = PackedLinears.of(self.model) if config.pack_weights else None
         self.attention_name = ATTENTION_NAME
         self.graphs: Any = None  # DecodeGraphs, captured in init_cache
-        if self.attention_backend == "triton":
-            from labkit.runtime.triton_attention import TRITON_ATTENTION_NAME, StepUploader
+        try:  # packing copies the weights (and times them), which may fail: then no runner, and the model as it was
+            if config.pack_weights is None:  # packed where this CPU runs packed weights faster (runtime.packed)
+                self.packed_linears = PackedLinears.if_faster(self.model)
+            else:
+                self.packed_linears = PackedLinears.of(self.model) if config.pack_weights else None
+            if self.attention_backend == "triton":
+                from labkit.runtime.triton_attention import TRITON_ATTENTION_NAME, StepUploader
 
-            self.attention_name = TRITON_ATTENTION_NAME
-            self.uploader = StepUploader(self.device)
+                self.attention_name = TRITON_ATTENTION_NAME
+                self.uploader = StepUploader(self.device)
+        except BaseException:
+            self.model.to(device=self._model_was[0], dtype=self._model_was[1])
+            raise
 
     def discard(self) -> None:
         """Undo ``init_cache`` for an engine that was refused after it: drop the cache and graphs, and put the model

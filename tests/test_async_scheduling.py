@@ -194,6 +194,28 @@ def test_a_request_aborted_before_its_first_token_was_read_has_no_time_to_first_
     assert engine.output(first).metrics.first_token_time is not None
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_output_read_mid_run_is_a_snapshot_of_the_tokens_read(async_scheduling: bool) -> None:
+    """Later steps leave a snapshot alone, and it times only the tokens it holds: none still being read."""
+    config = EngineConfig(block_size=4, num_blocks=16, async_scheduling=async_scheduling)
+    engine = Engine(SimulatedModel(), config)
+    request_id = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    taken = []
+    while engine.has_unfinished():
+        engine.step()
+        snapshot = engine.output(request_id)
+        taken.append((snapshot, copy.deepcopy(snapshot)))
+    for snapshot, as_taken in taken:
+        assert snapshot == as_taken, "a later step changed a snapshot"
+        metrics, tokens = snapshot.metrics, snapshot.output_token_ids
+        assert len(metrics.token_times) == len(tokens)
+        assert metrics.first_token_time == (metrics.token_times[0] if tokens else None)
+        assert (metrics.finish_time is None) == (snapshot.finish_reason is None)
+    assert [len(s.output_token_ids) for s, _ in taken] == list(range(1, 7))
+    last = taken[-1][0]
+    assert last.finish_reason == "length" and last.metrics.finish_time == last.metrics.token_times[-1]
+
+
 def test_first_scheduled_time_is_the_start_of_the_step_that_admitted_the_request() -> None:
     engine = Engine(SimulatedModel(), EngineConfig(async_scheduling=True, max_num_seqs=2))
     reports: list = []

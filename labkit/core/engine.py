@@ -22,7 +22,7 @@ import math
 import numbers
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, cast
 
 from labkit.core.blocks import BlockAllocator
@@ -261,9 +261,18 @@ class Engine:
         return output
 
     def output(self, request_id: int) -> RequestOutput:
-        """What ``request_id`` has generated so far (async scheduling: the tokens read so far)."""
+        """What ``request_id`` has generated so far: a snapshot, so that later steps leave it as it was.
+
+        With async scheduling it holds the tokens read so far, and only their times; a request whose last token is
+        still being read has not finished yet (its finish reason may still change from "length" to "stop").
+        """
         request = self.requests[request_id]
-        tokens = [t for t in request.output_token_ids if t != PENDING_TOKEN]
+        outputs, metrics = request.output_token_ids, request.metrics
+        read = len(outputs)
+        while read and outputs[read - 1] == PENDING_TOKEN:  # async: placeholders stand only at the end
+            read -= 1
+        finish_reason = request.finish_reason if read == len(outputs) else None
+        tokens = outputs[:read]
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -272,8 +281,13 @@ class Engine:
             prompt_token_ids=list(request.prompt_token_ids),
             output_token_ids=tokens,
             text=text,
-            finish_reason=request.finish_reason,
-            metrics=request.metrics,
+            finish_reason=finish_reason,
+            metrics=replace(
+                metrics,
+                first_token_time=metrics.first_token_time if read else None,
+                finish_time=metrics.finish_time if finish_reason is not None else None,
+                token_times=metrics.token_times[:read],
+            ),
             num_cached_tokens=request.num_cached_tokens or 0,
         )
 

@@ -1,8 +1,10 @@
 """The simulated model: deterministic tokens, a modelled clock, and an engine core that never imports torch."""
 
 import itertools
+import re
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -167,6 +169,30 @@ def test_continuous_batching_beats_static_on_long_tailed_outputs():
 def test_bad_simulated_model_settings_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SimulatedModel(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "match"),
+    [
+        ({"base": -0.5}, ValueError, "base must be a finite number of seconds >= 0, got -0.5"),
+        ({"per_token": float("nan")}, ValueError, "per_token must be a finite number of seconds >= 0, got nan"),
+        ({"per_kv_token": float("inf")}, ValueError, "per_kv_token must be a finite number of seconds >= 0"),
+        ({"host_base": -1e-6}, ValueError, "host_base must be a finite number of seconds >= 0"),
+        ({"base": "0.1"}, TypeError, "base must be a number of seconds, got str '0.1'"),
+        ({"host_per_request": True}, TypeError, "host_per_request must be a number of seconds, got bool"),
+        ({"name": None}, TypeError, "name must be a str, got NoneType"),
+    ],
+)
+def test_a_cost_that_would_break_the_simulated_clock_is_refused(fields, error, match):
+    """A negative or NaN cost would run the clock backwards or lose it; text would fail only at the first step."""
+    with pytest.raises(error, match=re.escape(match)):
+        CostModel(**{"name": "toy", "base": 1.0, "per_token": 0.0, "per_kv_token": 0.0, **fields})
+
+
+def test_a_cost_model_takes_any_real_number_and_stores_a_float():
+    cost = CostModel("toy", base=1, per_token=Fraction(1, 4), per_kv_token=0, host_base=0.0)
+    assert (cost.base, cost.per_token, cost.per_kv_token) == (1.0, 0.25, 0.0)
+    assert all(type(getattr(cost, f)) is float for f in ("base", "per_token", "per_kv_token", "host_per_request"))
 
 
 def test_host_time_adds_to_a_step_and_overlaps_it_with_async_scheduling():

@@ -13,6 +13,7 @@ it (``EngineConfig(async_scheduling=True)``) host and device overlap, and a step
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -33,6 +34,19 @@ class CostModel:
     per_kv_token: float
     host_base: float = 0.0
     host_per_request: float = 0.0
+
+    def __post_init__(self) -> None:
+        # Every field but the name is seconds added to the simulated clock: a negative or NaN one would run it
+        # backwards or lose it (and the run's trace would be refused), and text would fail only at the first step.
+        if not isinstance(self.name, str):
+            raise TypeError(f"name must be a str, got {type(self.name).__name__}")
+        for field in ("base", "per_token", "per_kv_token", "host_base", "host_per_request"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{field} must be a number of seconds, got {type(value).__name__} {value!r}")
+            if not 0 <= value < math.inf:
+                raise ValueError(f"{field} must be a finite number of seconds >= 0, got {value}")
+            object.__setattr__(self, field, float(value))  # frozen: only __post_init__ normalizes
 
     def step_time(self, num_tokens: int, num_kv_tokens: int) -> float:
         """The device's time for a step that computes ``num_tokens`` rows over ``num_kv_tokens`` keys."""

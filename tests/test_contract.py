@@ -324,6 +324,39 @@ def test_a_request_is_finished_only_in_the_finished_state():
         assert request.is_finished is (state is RequestState.FINISHED)
 
 
+def test_numpy_flags_and_integers_are_taken_and_stored_as_python_ones():
+    """numpy's bool is no subclass of bool, nor its integers of int, and learners' sizes often come out of numpy."""
+    params = SamplingParams(ignore_eos=np.bool_(True), max_new_tokens=np.int64(4))
+    assert params.ignore_eos is True
+    ints = {"block_size": np.int32(4), "num_blocks": np.int64(16), "max_batch_tokens": np.uint16(32), "max_num_seqs": 4}
+    flags = ("chunked_prefill", "enable_prefix_caching", "async_scheduling", "pack_weights", "use_cuda_graph")
+    config = EngineConfig(**ints, **{flag: np.bool_(flag != "use_cuda_graph") for flag in flags})
+    assert all(type(getattr(config, name)) is int for name in ints)
+    assert [getattr(config, flag) for flag in flags] == [True, True, True, True, False]
+    assert all(type(getattr(config, flag)) is bool for flag in flags)
+    model = SimulatedModel(vocab_size=np.int64(64), seed=np.uint8(3), default_num_blocks=np.int16(8))
+    assert type(model.vocab_size) is type(model.seed) is type(model.default_num_blocks) is int
+    (output,) = Engine(model, config).generate([[5, 6, 7]], params)
+    assert len(output.output_token_ids) == 4
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: SamplingParams(ignore_eos=np.int64(1)), "ignore_eos must be a bool, got int64"),
+        (lambda: SamplingParams(ignore_eos=np.array([True])), "ignore_eos must be a bool, got ndarray"),
+        (lambda: EngineConfig(async_scheduling=1), "async_scheduling must be a bool, got int"),
+        (lambda: EngineConfig(pack_weights="yes"), "pack_weights must be None or a bool, got str"),
+        (lambda: EngineConfig(num_blocks=np.float64(64)), "num_blocks must be an int, got float64"),
+        (lambda: EngineConfig(block_size=True), "block_size must be an int, got bool"),
+        (lambda: SimulatedModel(vocab_size=np.float32(64)), "vocab_size must be an int, got float32"),
+    ],
+)
+def test_a_flag_must_be_a_bool_and_a_size_an_integer(call, message):
+    with pytest.raises(TypeError, match=message):
+        call()
+
+
 def test_sampling_params_store_plain_python_numbers():
     params = SamplingParams(temperature=np.float32(0.5), top_p=1, top_k=np.int64(3), seed=np.uint8(7))
     assert type(params.temperature) is float and params.temperature == 0.5

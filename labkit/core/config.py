@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from labkit.core.request import as_bool, as_int
+
 POLICIES = ("continuous", "static")
 SCHEDULING = ("fcfs", "priority", "shortest-first")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -44,7 +46,8 @@ class EngineConfig:
     thrown away. Tokens are the same as without it; each step's report comes one ``step()`` later.
 
     A config is frozen, so what an engine was built with is what it runs: change a field with
-    ``dataclasses.replace(config, field=value)``, which checks the new config again.
+    ``dataclasses.replace(config, field=value)``, which checks the new config again. Its integers and flags may
+    be numpy's, as sizes worked out with numpy often are; they are stored as Python ints and bools.
     """
 
     block_size: int = 16
@@ -64,12 +67,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batch_tokens"):
-            _check_positive_int(name, getattr(self, name))
+            self._set(name, _positive_int(name, getattr(self, name)))
         if self.max_num_seqs is None:
-            object.__setattr__(self, "max_num_seqs", min(DEFAULT_MAX_NUM_SEQS, self.max_batch_tokens))
-        _check_positive_int("max_num_seqs", self.max_num_seqs)
+            self._set("max_num_seqs", min(DEFAULT_MAX_NUM_SEQS, self.max_batch_tokens))
+        self._set("max_num_seqs", _positive_int("max_num_seqs", self.max_num_seqs))
         if self.num_blocks is not None:
-            _check_positive_int("num_blocks", self.num_blocks)
+            self._set("num_blocks", _positive_int("num_blocks", self.num_blocks))
         if self.max_num_seqs > self.max_batch_tokens:
             raise ValueError(
                 f"max_num_seqs ({self.max_num_seqs}) must be <= max_batch_tokens ({self.max_batch_tokens}):"
@@ -81,10 +84,8 @@ class EngineConfig:
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"scheduling must be one of {SCHEDULING}, got {self.scheduling!r}")
         for name in ("chunked_prefill", "enable_prefix_caching", "async_scheduling"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        if self.pack_weights is not None and not isinstance(self.pack_weights, bool):
-            raise TypeError(f"pack_weights must be None or a bool, got {type(self.pack_weights).__name__}")
+            self._set(name, as_bool(name, getattr(self, name)))
+        self._set("pack_weights", as_bool("pack_weights", self.pack_weights, none_ok=True))
         if self.enable_prefix_caching and self.policy == "static":
             raise ValueError(
                 "enable_prefix_caching needs policy='continuous': the static baseline prefills whole padded prompts"
@@ -95,12 +96,15 @@ class EngineConfig:
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if self.use_cuda_graph is not None and not isinstance(self.use_cuda_graph, bool):
-            raise TypeError(f"use_cuda_graph must be None or a bool, got {type(self.use_cuda_graph).__name__}")
+        self._set("use_cuda_graph", as_bool("use_cuda_graph", self.use_cuda_graph, none_ok=True))
+
+    def _set(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)  # the dataclass is frozen; only __post_init__ normalizes
 
 
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+def _positive_int(name: str, value: object) -> int:
+    """An integer >= 1 of any kind (numpy's included) as a Python int; bool is refused."""
+    value = as_int(name, value)
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
+    return value

@@ -36,7 +36,8 @@ class SamplingParams:
     the most likely token, as its limit, greedy, does). ``top_k=0`` and ``top_p=1.0`` switch those
     filters off. A ``seed`` (an int >= 0) makes sampling reproducible per request: the same request draws
     the same tokens whether it runs alone, in a batch, or is preempted and recomputed. Numbers may be
-    any real or integral type (numpy's included); they are stored as Python floats and ints.
+    any real or integral type, and ``ignore_eos`` any bool (numpy's included, as learners' values often come out of
+    numpy); they are stored as Python floats, ints and bools.
     ``priority`` matters only under ``EngineConfig(scheduling="priority")``: lower numbers run first.
     """
 
@@ -52,28 +53,27 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # Any real number is accepted (numpy's float32 as well as float64) and stored as a plain float or int,
         # so the sampler builds its tensors from Python numbers.
-        self._set("max_new_tokens", _as_int("max_new_tokens", self.max_new_tokens))
+        self._set("max_new_tokens", as_int("max_new_tokens", self.max_new_tokens))
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         self._set("temperature", _as_float("temperature", self.temperature))
         if not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        self._set("top_k", _as_int("top_k", self.top_k))
+        self._set("top_k", as_int("top_k", self.top_k))
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         self._set("top_p", _as_float("top_p", self.top_p))
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None:
-            self._set("seed", _as_int("seed", self.seed))
+            self._set("seed", as_int("seed", self.seed))
             if not 0 <= self.seed < 2**64:  # the sampler draws from the seed's 64 bits: a larger one would alias
                 raise ValueError(f"seed must be in [0, 2**64) (or None), got {self.seed}")
         if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
             raise TypeError("stop_token_ids must be a sequence of ints")
-        self._set("stop_token_ids", tuple(_as_int("stop_token_ids item", t) for t in self.stop_token_ids))
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
-        self._set("priority", _as_int("priority", self.priority))
+        self._set("stop_token_ids", tuple(as_int("stop_token_ids item", t) for t in self.stop_token_ids))
+        self._set("ignore_eos", as_bool("ignore_eos", self.ignore_eos))
+        self._set("priority", as_int("priority", self.priority))
 
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)  # the dataclass is frozen; only __post_init__ normalizes
@@ -284,7 +284,20 @@ def as_token_id(value: object) -> int | None:
         return None
 
 
-def _as_int(name: str, value: object) -> int:
+def as_bool(name: str, value: object, *, none_ok: bool = False) -> bool | None:
+    """A bool of any kind (Python's, numpy's, a 0-d torch bool tensor) as a Python bool; None too if ``none_ok``.
+
+    numpy's bool is no subclass of bool, and numpy names its type "bool" too: refused, it would read "must be a
+    bool, got bool". An int is refused, 0 and 1 included: a flag is set with True or False.
+    """
+    if isinstance(value, bool) or (none_ok and value is None):
+        return value
+    if getattr(value, "ndim", None) == 0 and str(getattr(value, "dtype", "")) in _BOOL_DTYPES:
+        return bool(value)
+    raise TypeError(f"{name} must be {'None or ' if none_ok else ''}a bool, got {type(value).__name__}")
+
+
+def as_int(name: str, value: object) -> int:
     """An integer of any kind (int, numpy.int64, ...) as a Python int; bool is refused."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")

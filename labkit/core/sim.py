@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from labkit.core.blocks import BlockAllocator
 from labkit.core.config import EngineConfig
-from labkit.core.request import Request
+from labkit.core.request import Request, as_int
 from labkit.core.scheduler import SchedulerOutput
 
 
@@ -91,10 +91,8 @@ class SimulatedModel:
     eos_token_id = 1
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "max_model_len", "seed", "default_num_blocks"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        for name in ("vocab_size", "max_model_len", "seed", "default_num_blocks"):  # numpy's too, stored as ints
+            object.__setattr__(self, name, as_int(name, getattr(self, name)))
         if self.vocab_size < 3:
             raise ValueError(f"vocab_size must be >= 3 (pad, EOS and one real token), got {self.vocab_size}")
         if self.max_model_len < 1 or self.default_num_blocks < 1:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import re
 
 import pytest
 import torch
@@ -380,6 +381,25 @@ def test_generate_batch_sampling_is_reproducible_as_in_transformers(model):
     assert tokens(continuous_batching_config=seeded) != tokens(continuous_batching_config=other_seed)  # the seed counts
     alone = generate_batch(model, inputs[:1], sampled, continuous_batching_config=seeded)["req_0"].generated_tokens
     assert alone == tokens(continuous_batching_config=seeded)[0]  # request 0 draws the same alone or in the batch
+
+
+def test_generate_batch_seeds_near_2_64_wrap_and_a_bad_seed_is_named_as_passed(model):
+    """Request i draws with seed + i, wrapped into the 64 bits a seed has; a seed out of range is refused as given."""
+    sampled = GenerationConfig(max_new_tokens=4, do_sample=True, temperature=1.5, top_k=0, top_p=1.0, eos_token_id=-1)
+
+    def tokens(inputs, seed):
+        results = generate_batch(model, inputs, sampled, ContinuousBatchingConfig(seed=seed))
+        return [r.generated_tokens for r in results.values()]
+
+    top = tokens([[5, 6, 7], [8, 9]], 2**64 - 1)
+    assert top[1] == tokens([[8, 9]], 0)[0]  # request 1 draws with seed 2**64, that is 0
+    for seed, error, message in [
+        (-5, ValueError, "continuous_batching_config.seed must be in [0, 2**64) (or None), got -5"),
+        (2**64, ValueError, f"continuous_batching_config.seed must be in [0, 2**64) (or None), got {2**64}"),
+        (1.5, TypeError, "continuous_batching_config.seed must be an int, got float"),
+    ]:
+        with pytest.raises(error, match=re.escape(message)):
+            tokens([[5, 6, 7]], seed)
 
 
 def test_baselines_generate_what_the_engine_generates(model, greedy_reference):

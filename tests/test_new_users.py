@@ -273,7 +273,8 @@ def test_generate_batch_refuses_each_setting_it_does_not_implement(model, name, 
 def test_generate_batch_accepts_those_settings_switched_off(model, greedy_reference):
     off = GenerationConfig(
         max_new_tokens=4, num_beams=1, repetition_penalty=1.0, min_new_tokens=0, length_penalty=1.0,
-        no_repeat_ngram_size=0, num_return_sequences=1, eos_token_id=-1, num_blocks=16, block_size=8,
+        no_repeat_ngram_size=0, num_return_sequences=1, min_p=0.0, penalty_alpha=0.0, eos_token_id=-1, num_blocks=16,
+        block_size=8,
     )  # fmt: skip
     result = generate_batch(model, [[5, 6, 7]], off)["req_0"]
     assert result.generated_tokens == greedy_reference(model, [5, 6, 7], 4)

@@ -19,6 +19,8 @@ FINISH_REASONS = ("length", "stop", "abort")
 #: A generated token whose value is still on the device: with async scheduling, step N+1 is planned while
 #: step N runs, so N's new tokens stand in the requests' outputs as this placeholder until N's tokens are read.
 PENDING_TOKEN = -1
+#: A seed is an int in [0, SEED_RANGE): the sampler draws from its 64 bits.
+SEED_RANGE = 2**64
 
 
 class RequestState(str, Enum):
@@ -67,7 +69,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None:
             self._set("seed", as_int("seed", self.seed))
-            if not 0 <= self.seed < 2**64:  # the sampler draws from the seed's 64 bits: a larger one would alias
+            if not 0 <= self.seed < SEED_RANGE:  # the sampler draws from the seed's 64 bits: a larger one would alias
                 raise ValueError(f"seed must be in [0, 2**64) (or None), got {self.seed}")
         if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
             raise TypeError("stop_token_ids must be a sequence of ints")

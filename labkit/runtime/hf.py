@@ -14,7 +14,7 @@ from typing import Any
 
 from labkit.core.config import EngineConfig
 from labkit.core.engine import Engine
-from labkit.core.request import SamplingParams
+from labkit.core.request import SEED_RANGE, SamplingParams, as_int
 
 # Continuous-batching knobs that tutorials set on a GenerationConfig, and labkit's names for them.
 GENERATION_CONFIG_KNOBS = {
@@ -38,7 +38,7 @@ UNSUPPORTED_SETTINGS = {
     "num_beams": 1,
     "num_beam_groups": 1,
     "num_return_sequences": 1,
-    "penalty_alpha": None,
+    "penalty_alpha": 0.0,  # contrastive search runs only with a penalty_alpha above 0
     "dola_layers": None,
     "diversity_penalty": 0.0,
     "repetition_penalty": 1.0,
@@ -50,7 +50,7 @@ UNSUPPORTED_SETTINGS = {
     "min_new_tokens": 0,
     "max_time": None,
     "stop_strings": None,
-    "min_p": None,
+    "min_p": 0.0,  # min_p * the top probability: 0 keeps every token
     "top_h": None,
     "typical_p": 1.0,
     "epsilon_cutoff": 0.0,
@@ -142,12 +142,8 @@ def generate_batch(
 
     params = _sampling_params(generation_config, max_new_tokens)
     if not params.greedy:  # request i draws with seed + i: reproducible, and the same alone or in any batch
-        seed = getattr(continuous_batching_config, "seed", None)
-        if seed is None:  # as in transformers, torch.manual_seed decides
-            import torch  # here: importing labkit imports no torch
-
-            seed = int(torch.randint(0, 2**62, ()))
-        params = [replace(params, seed=seed + i) for i in range(len(inputs))]
+        seed = _seed(continuous_batching_config)
+        params = [replace(params, seed=(seed + i) % SEED_RANGE) for i in range(len(inputs))]
     engine = Engine(model, EngineConfig(**options))
     outputs = engine.generate(list(inputs), params, progress=progress_bar)
     return {
@@ -160,6 +156,21 @@ def generate_batch(
         )
         for i, out in enumerate(outputs)
     }
+
+
+def _seed(continuous_batching_config: Any) -> int:
+    """Request 0's seed: ``continuous_batching_config.seed``, checked as SamplingParams checks a seed, so that an
+    error names the value passed, not the seed + i of a later request; else, as in transformers, one that
+    ``torch.manual_seed`` decides."""
+    seed = getattr(continuous_batching_config, "seed", None)
+    if seed is None:
+        import torch  # here: importing labkit imports no torch
+
+        return int(torch.randint(0, 2**62, ()))
+    seed = as_int("continuous_batching_config.seed", seed)
+    if not 0 <= seed < SEED_RANGE:
+        raise ValueError(f"continuous_batching_config.seed must be in [0, 2**64) (or None), got {seed}")
+    return seed
 
 
 def _check_generation_config(config: Any) -> None:

@@ -18,6 +18,7 @@ import dataclasses
 import itertools
 import os
 import random
+import re
 from collections import Counter
 from typing import Any
 
@@ -354,14 +355,21 @@ def test_refused_configurations() -> None:
     with pytest.raises(TypeError, match="async_scheduling must be a bool"):
         EngineConfig(async_scheduling=1)
 
-    class StepOnly(SimulatedModel):  # a runner that can only run a step to the end
-        def make_runner(self, config: EngineConfig) -> Any:
-            runner = super().make_runner(config)
-            return type("SyncRunner", (), {k: getattr(runner, k) for k in dir(runner) if not k.startswith("_")
-                                            and k not in ("launch", "collect")})()  # fmt: skip
+    def lacking(*names: str) -> SimulatedModel:
+        """A model whose runner lacks ``names`` of the methods that async scheduling calls."""
 
-    with pytest.raises(ValueError, match="has no launch"):
-        Engine(StepOnly(), EngineConfig(async_scheduling=True))
+        class Lacking(SimulatedModel):
+            def make_runner(self, config: EngineConfig) -> Any:
+                runner = super().make_runner(config)
+                return type("SyncRunner", (), {k: getattr(runner, k) for k in dir(runner) if not k.startswith("_")
+                                                and k not in names})()  # fmt: skip
+
+        return Lacking()
+
+    for names, named in [(("ready_time",), "ready_time()"), (("launch", "collect"), "launch(), collect()")]:
+        with pytest.raises(ValueError, match=re.escape(f"SyncRunner has no {named}")):
+            Engine(lacking(*names), EngineConfig(async_scheduling=True))
+        Engine(lacking(*names), EngineConfig())  # it can still run a step to the end
 
 
 # ---------------------------------------------------------------------------------------------- a real model

@@ -248,7 +248,7 @@ def test_async_scheduling_without_launch_and_collect_is_refused_before_the_cache
             runner.init_cache = lambda block_size, num_blocks: made.append(num_blocks) or 64
             return runner
 
-    with pytest.raises(ValueError, match=r"WallClockRunner has no launch\(\) and collect\(\)"):
+    with pytest.raises(ValueError, match=r"WallClockRunner has no launch\(\), collect\(\), ready_time\(\)"):
         Engine(Recording(), EngineConfig(async_scheduling=True))
     assert made == []
     assert Engine(Recording()).num_blocks == 64 and len(made) == 1

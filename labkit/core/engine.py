@@ -82,6 +82,9 @@ class AsyncRunner(Runner, Protocol):
         simulator); None where they are read as they arrive (a GPU): the time ``collect`` returned."""
 
 
+#: What async scheduling calls on a runner beyond Runner's methods (AsyncRunner).
+ASYNC_RUNNER_METHODS = ("launch", "collect", "ready_time")
+
 #: Builds the runner of a model that does not make its own (a transformers model). The top-level ``labkit``
 #: package plugs in the torch runtime's ModelRunner here, imported only when first used, so the core layer
 #: never names the runtime and ``import labkit`` stays torch-free.
@@ -132,11 +135,13 @@ class Engine:
         parts = {"slot_mapping_fn": slot_mapping_fn, "attention_fn": attention_fn, "sampler": sampler}
         self.runner = make_runner(model, config, **{name: part for name, part in parts.items() if part is not None})
         self.clock = self.runner.clock
-        if config.async_scheduling and not all(hasattr(self.runner, name) for name in ("launch", "collect")):
-            raise ValueError(
-                f"async_scheduling needs a runner that launches a step before reading its tokens;"
-                f" {type(self.runner).__name__} has no launch() and collect()"
-            )
+        if config.async_scheduling:  # a runner that lacks a method is refused now, not by every step()
+            missing = [name for name in ASYNC_RUNNER_METHODS if not callable(getattr(self.runner, name, None))]
+            if missing:
+                raise ValueError(
+                    f"async_scheduling needs a runner that launches a step before reading its tokens;"
+                    f" {type(self.runner).__name__} has no {', '.join(f'{name}()' for name in missing)}"
+                )
         num_blocks = self.runner.init_cache(config.block_size, config.num_blocks)
         try:
             if config.enable_prefix_caching:

@@ -154,6 +154,23 @@ def test_release_returns_a_finished_output_once_and_refuses_a_running_request():
         engine.release(request_id)
 
 
+def test_a_request_id_is_an_int_of_any_kind_never_a_bool_or_a_float():
+    """True and 1.0 equal 1, so a lookup by either would act on request 1; numpy's integers are request ids."""
+    engine = sim_engine()
+    ids = [engine.add_request([5, 6, 7], GREEDY) for _ in range(2)]
+    for call in (engine.abort, engine.release, engine.output):
+        for bad in (True, 1.0):
+            with pytest.raises(TypeError, match=f"request_id must be an int, got {type(bad).__name__} {bad!r}"):
+                call(bad)
+    assert engine.requests[ids[1]].finish_reason is None, "a refused id touched request 1"
+    assert engine.output(np.int64(ids[1])).request_id == ids[1]
+    engine.abort(np.int64(ids[1]))
+    while engine.has_unfinished():
+        engine.step()
+    output = engine.release(np.int64(ids[1]))
+    assert output.finish_reason == "abort" and type(output.request_id) is int
+
+
 def test_release_waits_for_the_last_token_under_async_scheduling():
     engine = Engine(SimulatedModel(), dataclasses.replace(CONFIG, async_scheduling=True))
     request_id = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=1, ignore_eos=True))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+import reprlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -245,9 +246,9 @@ class Engine:
         Its blocks are freed at once, except in a static batch, which keeps every member's blocks (and row)
         until the batch ends.
 
-        KeyError if no unfinished request has that id.
+        KeyError if no unfinished request has that id; TypeError for an id that is not an int.
         """
-        self._aborted.append(self.scheduler.abort(request_id, self.clock()))
+        self._aborted.append(self.scheduler.abort(_request_id(request_id), self.clock()))
 
     def release(self, request_id: int) -> RequestOutput:
         """Return a finished request's output and forget it.
@@ -256,8 +257,9 @@ class Engine:
         any time; a server that serves requests one by one with ``add_request`` and ``step`` releases each
         one it is done with (``generate`` and the online driver release theirs). KeyError for an unknown id,
         ValueError for a request that is still running (abort it first) or whose last token is still being
-        read (async scheduling: step once more).
+        read (async scheduling: step once more). TypeError for an id that is not an int.
         """
+        request_id = _request_id(request_id)
         request = self.requests[request_id]
         if request.finish_reason is None or PENDING_TOKEN in request.output_token_ids:
             raise ValueError(f"request {request_id} has not finished: abort() it, or step() until it has")
@@ -271,6 +273,7 @@ class Engine:
         With async scheduling it holds the tokens read so far, and only their times; a request whose last token is
         still being read has not finished yet (its finish reason may still change from "length" to "stop").
         """
+        request_id = _request_id(request_id)
         request = self.requests[request_id]
         outputs, metrics = request.output_token_ids, request.metrics
         read = len(outputs)
@@ -585,6 +588,14 @@ class _LaunchedStep:
     finished: list[Request]  # what its commit finished (by length); a stop found later reports earlier
     start: float
     state: dict[str, Any]  # the report's block and queue fields as its commit left them
+
+
+def _request_id(value: object) -> int:
+    """A request id of any integer kind (numpy's too) as a Python int. A bool or a float is refused: looked up in
+    ``requests`` it would find the request of the int it equals (True, 1.0: request 1)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"request_id must be an int, got {type(value).__name__} {reprlib.repr(value)}")
+    return int(value)
 
 
 def _arrival_time(value: object, now: float) -> float:

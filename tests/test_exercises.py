@@ -2599,6 +2599,22 @@ def test_check_prints_feedback_and_imports_the_file_afresh(tmp_path, capsys):
     assert "check(2, slot_mapping)" in missing
 
 
+def test_a_sys_exit_in_the_learners_code_is_their_error_not_the_checks_end(tmp_path):
+    """sys.exit() raises SystemExit, which is no Exception: it ended labkit check (no table) and a notebook's
+    check(); at import or inside a case it is the learner's error, reported as any other."""
+    file = tmp_path / "ex2_slot_mapping.py"
+    file.write_text("import sys\nsys.exit('done')\n")
+    at_import = check(2, path=tmp_path, quiet=True)
+    assert at_import.status == "failing" and "your file does not load: SystemExit: done" in at_import.load_error
+
+    def exits(segments, block_size, scratch_slot):
+        raise SystemExit(3)
+
+    in_a_case = check(2, exits, quiet=True)
+    assert in_a_case.num_passed == 0 and len(in_a_case.failures) == in_a_case.num_cases
+    assert all(f.kind == "error" and "raised SystemExit: 3" in f.got for f in in_a_case.failures)
+
+
 @pytest.mark.parametrize("exercise", list(exercises().values()), ids=lambda e: f"ex{e.number}")
 def test_a_file_that_hands_in_labkits_own_code_is_not_passed(exercise, tmp_path):
     """labkit's code passes every check, so a file whose class inherits every seam (``pass`` for a body), or that

@@ -140,7 +140,7 @@ def load_implementation(exercise: Exercise, path: str | os.PathLike[str] | None 
         return None, where, error
     try:
         implementation = load_learner(exercise, file)
-    except Exception as error:  # a syntax error or a missing name in the learner's file
+    except (Exception, SystemExit) as error:  # a syntax error, a missing name, a sys.exit() in the learner's file
         where = learner_frames(error)
         return (
             None,

@@ -292,7 +292,7 @@ def run_case(case: Case, implementation: Any, *, verbose: bool = False) -> Failu
             mismatch.hint or case.hint,
             traceback.format_exc() if verbose else "",
         )
-    except Exception as error:  # the learner's own error: show it, not labkit's internals
+    except (Exception, SystemExit) as error:  # the learner's own error (sys.exit() too): show it, not labkit's
         where = traceback.format_exc() if verbose else learner_frames(error)
         got = f"your code raised {type(error).__name__}: {error}"
         hint = _error_hint(error, case.hint)
@@ -310,7 +310,7 @@ def _not_started(error: NotImplementedError) -> str:
     return f"{frames[-1].name}() still raises NotImplementedError" if frames else ""
 
 
-def _broken_code_hint(error: Exception) -> str:
+def _broken_code_hint(error: BaseException) -> str:
     """For an error that says the code cannot run at all (a misspelt name, a missing attribute), raised in the
     learner's own code: a hint naming where, instead of the case's, which is about what the code should do."""
     frames = traceback.extract_tb(error.__traceback__)
@@ -322,7 +322,7 @@ def _broken_code_hint(error: Exception) -> str:
     )
 
 
-def _error_hint(error: Exception, case_hint: str) -> str:
+def _error_hint(error: BaseException, case_hint: str) -> str:
     """The hint for a case whose run raised: where the code stopped, if it is broken there, then the case's."""
     broken = _broken_code_hint(error)
     if broken and case_hint:

@@ -165,6 +165,9 @@ def test_burstiness_sets_gap_spread(burstiness):
         ({"special_ids": (0, 100)}, ValueError, r"special id 100 is outside the vocabulary \[0, 100\)"),
         ({"special_ids": (-1,)}, ValueError, "special id -1 is outside"),
         ({"burstiness": 2.0}, ValueError, "burstiness 2.0 shapes the gaps between arrivals.*give a finite rate too"),
+        ({"rate": 1e-200, "burstiness": 1e-200}, ValueError, "rate 1e-200 is too small"),  # their product underflows
+        ({"vocab_size": None, "tokenizer": CharTokenizer(), "corpus": 123}, TypeError, "corpus must be the text.*int"),
+        ({"vocab_size": None, "tokenizer": CharTokenizer(), "corpus": " \n"}, ValueError, "corpus has no text"),
     ],
 )
 def test_bad_options(kwargs, error, message):

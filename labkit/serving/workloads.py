@@ -170,7 +170,8 @@ def arrival_times(
         raise TypeError(f"rate must be a number of requests per second, got {type(rate).__name__}")
     if not rate > 0:
         raise ValueError(f"rate must be > 0 requests per second (or None for all at once), got {rate}")
-    mean_gap = 1 / (rate * burstiness)
+    per_second = rate * burstiness  # 0.0 where two tiny numbers underflow
+    mean_gap = 1 / per_second if per_second > 0 else math.inf
     if not math.isfinite(mean_gap):
         raise ValueError(f"rate {rate} is too small: the arrival times would not be finite")
     rng = rng if rng is not None else np.random.default_rng()
@@ -267,6 +268,10 @@ def make_workload(
         raise ValueError("give exactly one of vocab_size (token-id prompts) or tokenizer (text prompts)")
     if tokenizer is not None and not callable(getattr(tokenizer, "encode", None)):
         raise TypeError(f"tokenizer must have an encode() method, as transformers' do; got {type(tokenizer).__name__}")
+    if corpus is not None and not isinstance(corpus, str):
+        raise TypeError(f"corpus must be the text to cut prompts from (a str), got {type(corpus).__name__}")
+    if corpus is not None and not corpus.strip():
+        raise ValueError(f"corpus has no text to cut prompts from: {corpus!r}")
 
     def stream(kind: int) -> np.random.Generator:
         return np.random.default_rng([seed, kind])

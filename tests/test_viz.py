@@ -445,6 +445,41 @@ def test_blockmap_rejects_bad_input() -> None:
         BlockMap(replay.recorder, columns=0)
 
 
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda engine: BlockMap(engine, speed=0), ValueError, "speed"),
+        (lambda engine: BlockMap(engine, columns=0), ValueError, "columns must be a positive int, got 0"),
+        (lambda engine: BlockMap(engine, min_redraw_seconds=-1), ValueError, "redraw interval"),
+        (lambda engine: Timeline(engine, min_redraw_seconds=-1), ValueError, "redraw interval"),
+        (lambda engine: LiveThroughput(engine, window=0), ValueError, "window must be a positive int, got 0"),
+        (lambda engine: LiveThroughput({"continuous": engine}, baseline="x"), ValueError, "baseline 'x'"),
+        (lambda engine: LiveThroughput(engine, max_points=1), ValueError, "max_points"),
+        (lambda engine: Timeline({"a": engine, "b": "missing.json"}), FileNotFoundError, "Timeline run 'b': .*missing"),
+        (lambda engine: LiveThroughput({"a": engine, "b": 42}), TypeError, "LiveThroughput run 'b'"),
+    ],
+)
+def test_a_widget_refused_for_a_bad_argument_leaves_no_recorder_on_the_engine(make, error, match) -> None:
+    """A recorder left behind would keep every later report of the engine, for as long as the engine lives."""
+    engine = make_engine()
+    with pytest.raises(error, match=match):
+        make(engine)
+    assert engine.step_listeners == []
+    kept = record(engine)  # a recorder attached before the widget stays
+    with pytest.raises(error, match=match):
+        make(engine)
+    assert engine.step_listeners == [kept] and kept.subscribers == []
+
+
+def test_a_map_refused_for_an_engine_that_stepped_already_leaves_no_recorder() -> None:
+    engine = make_engine()
+    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=3))
+    engine.step()
+    with pytest.raises(ValueError, match="attach before the engine's first step"):
+        BlockMap(engine)
+    assert engine.step_listeners == []
+
+
 def test_a_widget_made_again_for_the_same_run_takes_over_from_the_old_one() -> None:
     engine = make_engine()
     old, timeline = BlockMap(engine, min_redraw_seconds=0), Timeline(engine)

@@ -25,7 +25,7 @@ from labkit.core.report import StepReport
 from labkit.viz._compat import FigureView, Throttle, link_values
 from labkit.viz._display import Displayable
 from labkit.viz.replay import BlockCell, CacheHistory, CacheState, RequestRow
-from labkit.viz.sources import as_recorder
+from labkit.viz.sources import as_recorder, detached_on_error
 
 # Request colours: plotly's ten, then ten darker ones from its Dark24 and G10, each picked to be as far as it can
 # from every colour before it and from the greys (CIE76 delta E of at least 33), so that neighbouring requests and
@@ -76,16 +76,27 @@ class BlockMap(Displayable):
         speed: float = 5.0,
         min_redraw_seconds: float = 0.05,
     ) -> None:
-        self.recorder = as_recorder(source)
-        self.history = CacheHistory(self.recorder)
-        num_blocks = self.recorder.num_blocks
-        if self.recorder.meta.get("free_blocks_at_start", num_blocks) != num_blocks:
-            raise ValueError("the recording started with blocks already in use; attach before the engine's first step")
-        if self.recorder.meta.get("cached_blocks_at_start", 0):
-            raise ValueError(
-                "the recording started with blocks in the prefix cache from an earlier run, which no report"
-                " shows; attach before the engine's first step"
-            )
+        # The arguments first: a map refused for one of them attaches no recorder to a live engine.
+        if columns is not None and (isinstance(columns, bool) or not isinstance(columns, int) or columns < 1):
+            raise ValueError(f"columns must be a positive int, got {columns!r}")
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)):
+            raise TypeError(f"speed must be a number of steps per second, got {type(speed).__name__}")
+        if not MIN_SPEED <= speed <= MAX_SPEED:
+            raise ValueError(f"speed must be in [{MIN_SPEED}, {MAX_SPEED}] steps per second, got {speed}")
+        self._throttle = Throttle(min_redraw_seconds)
+        with detached_on_error([source]):
+            self.recorder = as_recorder(source)
+            self.history = CacheHistory(self.recorder)
+            num_blocks = self.recorder.num_blocks
+            if self.recorder.meta.get("free_blocks_at_start", num_blocks) != num_blocks:
+                raise ValueError(
+                    "the recording started with blocks already in use; attach before the engine's first step"
+                )
+            if self.recorder.meta.get("cached_blocks_at_start", 0):
+                raise ValueError(
+                    "the recording started with blocks in the prefix cache from an earlier run, which no report"
+                    " shows; attach before the engine's first step"
+                )
         self.num_drawn = num_blocks
         if not self.recorder.live and num_blocks > MAX_DRAWN_BLOCKS:
             events = (event.block_id for report in self.recorder.reports for event in report.block_events)
@@ -94,17 +105,10 @@ class BlockMap(Displayable):
         if columns is None:  # about twice as wide as tall, cells big enough to read while they fit
             columns = min(drawn, 16) if drawn <= 256 else 32 if drawn <= 1024 else None
             columns = columns or math.ceil(math.sqrt(2 * drawn))
-        if isinstance(columns, bool) or not isinstance(columns, int) or columns < 1:
-            raise ValueError(f"columns must be a positive int, got {columns!r}")
-        if isinstance(speed, bool) or not isinstance(speed, (int, float)):
-            raise TypeError(f"speed must be a number of steps per second, got {type(speed).__name__}")
-        if not MIN_SPEED <= speed <= MAX_SPEED:
-            raise ValueError(f"speed must be in [{MIN_SPEED}, {MAX_SPEED}] steps per second, got {speed}")
         self.columns = columns
         self.speed = speed
         self.position = len(self.history) if self.recorder.live else 0
         self._following = self.recorder.live
-        self._throttle = Throttle(min_redraw_seconds)
         self._listen([self.recorder])
 
     def __repr__(self) -> str:

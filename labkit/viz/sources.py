@@ -6,7 +6,8 @@ A widget shows a live Engine, a Recorder, a saved trace or a plain list of StepR
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from labkit.core.trace import Recorder, record
@@ -23,13 +24,32 @@ def as_recorders(runs: Mapping[Any, Any], widget: str) -> dict[str, Recorder]:
     if not runs:
         raise ValueError(f"{widget} needs at least one run")
     recorders = {}
-    for label, source in runs.items():
-        try:
-            recorders[str(label)] = as_recorder(source)
-        except (TypeError, ValueError) as error:
-            kind = TypeError if isinstance(error, TypeError) else ValueError
-            raise kind(f"{widget} run {str(label)!r}: {error}") from None
+    with detached_on_error(runs.values()):
+        for label, source in runs.items():
+            try:
+                recorders[str(label)] = as_recorder(source)
+            except (TypeError, ValueError) as error:
+                kind = TypeError if isinstance(error, TypeError) else ValueError
+                raise kind(f"{widget} run {str(label)!r}: {error}") from None
+            except OSError as error:  # a trace path that cannot be opened: keep its kind, say which run it is
+                raise type(error)(f"{widget} run {str(label)!r}: {error}") from None
     return recorders
+
+
+@contextmanager
+def detached_on_error(sources: Iterable[Any]) -> Iterator[None]:
+    """Detach again, if the block raises, every Recorder attached in it to an engine among ``sources``: a widget
+    refused for a bad argument must not leave a recorder on the engine that keeps every later report."""
+    engines = [source for source in sources if hasattr(source, "step_listeners")]
+    before = [list(engine.step_listeners) for engine in engines]
+    try:
+        yield
+    except BaseException:
+        for engine, listeners in zip(engines, before, strict=True):
+            for listener in list(engine.step_listeners):
+                if isinstance(listener, Recorder) and not any(listener is kept for kept in listeners):
+                    listener.detach()
+        raise
 
 
 def as_recorder(source: Any) -> Recorder:

@@ -108,18 +108,20 @@ class LiveThroughput(Displayable):
     ) -> None:
         if not isinstance(runs, Mapping):
             runs = {"run": runs}
-        self.runs: dict[str, Recorder] = as_recorders(runs, "LiveThroughput")
-        if baseline is None:
-            baseline = "static" if "static" in self.runs else next(iter(self.runs))
-        if baseline not in self.runs:
-            raise ValueError(f"baseline {baseline!r} is not one of the runs {list(self.runs)}")
+        # The arguments first: a plot refused for one of them attaches no recorder to a live engine.
+        labels = [str(label) for label in runs]
+        if baseline is None and labels:
+            baseline = "static" if "static" in labels else labels[0]
+        if labels and baseline not in labels:
+            raise ValueError(f"baseline {baseline!r} is not one of the runs {labels}")
         throughput_series([], window)  # validates window
         if isinstance(max_points, bool) or not isinstance(max_points, int) or max_points < 2:
             raise ValueError(f"max_points must be an int >= 2, got {max_points!r}")
+        self._throttle = Throttle(min_redraw_seconds)
+        self.runs: dict[str, Recorder] = as_recorders(runs, "LiveThroughput")
         self.window = window
         self.baseline = baseline
         self.max_points = max_points
-        self._throttle = Throttle(min_redraw_seconds)
         self._listen(self.runs.values())
 
     def __repr__(self) -> str:

@@ -137,8 +137,8 @@ class Timeline(Displayable):
     def __init__(self, runs: Any, *, min_redraw_seconds: float = 0.5) -> None:
         if not isinstance(runs, Mapping):
             runs = {"run": runs}
+        self._throttle = Throttle(min_redraw_seconds)  # checked before a live run gets a recorder
         self.runs: dict[str, Recorder] = as_recorders(runs, "Timeline")
-        self._throttle = Throttle(min_redraw_seconds)
         self._listen(self.runs.values())
 
     def __repr__(self) -> str:

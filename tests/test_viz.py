@@ -293,6 +293,49 @@ def test_controls_are_linked_in_python() -> None:
     assert blocks._play.interval == 100
 
 
+def test_a_live_gpu_sized_cache_is_drawn_up_to_the_last_block_used_so_far() -> None:
+    """A live map drew every block of a GPU's cache: megabytes and a second at every redraw."""
+    engine = make_engine(num_blocks=300_000)
+    blocks = BlockMap(engine, min_redraw_seconds=0)
+    blocks.widget  # noqa: B018 - build the live widget so every step redraws it
+    before = blocks._view.figure.layout.height
+    assert blocks.num_drawn == blocks.columns  # one row before the first step
+    drawn_counts, last_used = [], [0]
+
+    def check() -> None:
+        expected = allocator_cells(engine)
+        last_used.append(max([b for b, owner, *_ in expected if owner is not None], default=0))
+        drawn = blocks.num_drawn
+        assert drawn % blocks.columns == 0 and drawn - blocks.columns <= max(last_used) < drawn  # whole rows
+        assert figure_cells(blocks._view.figure, blocks.columns, 4) == expected[:drawn]
+        assert blocks._view.figure.layout.height == blocks.figure().layout.height
+        assert "of 300000 drawn: no later one used yet" in blocks._view.figure.layout.title.text
+        drawn_counts.append(drawn)
+
+    run(engine, on_step=check)
+    assert drawn_counts == sorted(drawn_counts) and drawn_counts[-1] > drawn_counts[0]  # it grew as the run did
+    assert before < blocks._view.figure.layout.height
+    assert len(blocks.figure().to_json()) < 200_000
+
+
+def test_a_live_map_past_max_drawn_blocks_counts_the_blocks_in_use_it_does_not_draw(monkeypatch) -> None:
+    monkeypatch.setattr(blockmap_module, "MAX_DRAWN_BLOCKS", 16)
+    engine = make_engine(num_blocks=60)
+    blocks = BlockMap(engine, columns=8)
+    hidden_seen = []
+
+    def check() -> None:
+        expected = allocator_cells(engine)
+        assert blocks.num_drawn <= 16
+        hidden = sum(owner is not None for b, owner, *_ in expected[blocks.num_drawn :])
+        if hidden:
+            assert f"blocks 0-15 of 60 drawn: {hidden} more in use" in blocks.figure().layout.title.text
+            hidden_seen.append(hidden)
+
+    run(engine, on_step=check)
+    assert hidden_seen
+
+
 def test_a_replayed_gpu_sized_cache_is_drawn_up_to_the_last_block_the_run_used() -> None:
     engine = make_engine(num_blocks=60_000)  # a GPU's cache, sized from its memory
     recorder = record(engine)

@@ -65,7 +65,9 @@ class BlockMap(Displayable):
     engine runs out of work. Attach a live map before the engine's first step: blocks taken earlier are
     not in any report. A replayed cache of more than MAX_DRAWN_BLOCKS blocks is drawn from block 0 to the
     last one the run ever used (the free queue hands blocks out in order), so that a GPU's tens of
-    thousands do not make a grey map of megabytes; the title says so.
+    thousands do not make a grey map of megabytes; the title says so. A live map of such a cache grows a
+    row at a time as the run uses more blocks, up to MAX_DRAWN_BLOCKS, and its title counts the blocks in
+    use past them: it redraws at every step, and a map of every block costs a second a redraw.
     """
 
     def __init__(
@@ -97,15 +99,24 @@ class BlockMap(Displayable):
                     "the recording started with blocks in the prefix cache from an earlier run, which no report"
                     " shows; attach before the engine's first step"
                 )
-        self.num_drawn = num_blocks
-        if not self.recorder.live and num_blocks > MAX_DRAWN_BLOCKS:
+        # A GPU's cache (tens of thousands of blocks) is drawn up to the last block the run used: a replay's
+        # once, a live map's growing a row at a time as the run takes more, up to MAX_DRAWN_BLOCKS.
+        self._growing = self.recorder.live and num_blocks > MAX_DRAWN_BLOCKS
+        self._last_used = -1  # the highest block a step has used so far, where the map is cut short
+        if num_blocks > MAX_DRAWN_BLOCKS:
             events = (event.block_id for report in self.recorder.reports for event in report.block_events)
-            self.num_drawn = max(events, default=0) + 1
-        drawn = self.num_drawn
+            self._last_used = max(events, default=-1)
+        if self._growing:
+            drawn = MAX_DRAWN_BLOCKS  # the most it will draw sets its columns
+        elif num_blocks > MAX_DRAWN_BLOCKS:
+            drawn = max(self._last_used + 1, 1)
+        else:
+            drawn = num_blocks
         if columns is None:  # about twice as wide as tall, cells big enough to read while they fit
             columns = min(drawn, 16) if drawn <= 256 else 32 if drawn <= 1024 else None
             columns = columns or math.ceil(math.sqrt(2 * drawn))
         self.columns = columns
+        self.num_drawn = self._live_drawn() if self._growing else drawn
         self.speed = speed
         self.position = len(self.history) if self.recorder.live else 0
         self._following = self.recorder.live
@@ -138,13 +149,17 @@ class BlockMap(Displayable):
         report = self.report(position)
         return report.describe() if report is not None else []
 
+    def _live_drawn(self) -> int:
+        """How many blocks a live map of a GPU's cache draws: whole rows up to the last block used so far."""
+        rows = max(math.ceil((self._last_used + 1) / self.columns), 1)
+        return min(rows * self.columns, MAX_DRAWN_BLOCKS)
+
     # ------------------------------------------------------------------ figure
     def figure(self, position: int | None = None) -> go.Figure:
         """A static plotly figure of the map at ``position``: for exports, scripts and kernel-less viewers."""
         state = self.history.state(self._position(position))
         cells = state.cells(self.num_drawn)
-        rows = math.ceil(self.num_drawn / self.columns)
-        cell = 30 if self.columns <= 16 else 20 if self.columns <= 32 else max(4, 960 // self.columns)
+        cell = self._cell_size()
         gap = 2 if cell >= 10 else 0
         labels = {"texttemplate": "%{text}", "textfont": {"size": 10 if cell >= 30 else 8}} if cell >= 20 else {}
         fig = go.Figure(
@@ -160,14 +175,29 @@ class BlockMap(Displayable):
                 **self._heatmap_data(state, cells),
             )
         )
+        fig.update_layout(
+            **self._layout(self._title(state, cells)),
+            xaxis={"visible": False, "fixedrange": True},
+            yaxis={"visible": False, "fixedrange": True, "autorange": "reversed"},
+            plot_bgcolor="white",
+        )
+        return fig
+
+    def _cell_size(self) -> int:
+        """A cell's side in pixels: big enough to label on a narrow map, smaller on a wide one."""
+        return 30 if self.columns <= 16 else 20 if self.columns <= 32 else max(4, 960 // self.columns)
+
+    def _layout(self, title: str) -> dict[str, Any]:
+        """The figure's size and title for the blocks drawn now; a live map of a GPU's cache grows, so it redraws
+        these with its cells."""
         # The title's lines sit between plotly's modebar (shown on hover, top right) and the map, left-aligned;
         # a narrow map keeps its cell size and leaves the room a title line needs to its right.
+        cell = self._cell_size()
         width = self.columns * cell
-        title = self._title(state, cells)
         top = MODEBAR_HEIGHT + TITLE_LINE_HEIGHT * (title.count("<br>") + 1) + 10
-        height = rows * cell + top + 20
-        fig.update_layout(
-            title={
+        height = math.ceil(self.num_drawn / self.columns) * cell + top + 20
+        return {
+            "title": {
                 "text": title,
                 "font": {"size": 14},
                 "x": 0,
@@ -177,14 +207,10 @@ class BlockMap(Displayable):
                 "yref": "container",
                 "yanchor": "top",
             },
-            width=max(width, MIN_PLOT_WIDTH) + 40,
-            height=height,
-            margin={"l": 20, "r": 20 + max(MIN_PLOT_WIDTH - width, 0), "t": top, "b": 20},
-            xaxis={"visible": False, "fixedrange": True},
-            yaxis={"visible": False, "fixedrange": True, "autorange": "reversed"},
-            plot_bgcolor="white",
-        )
-        return fig
+            "width": max(width, MIN_PLOT_WIDTH) + 40,
+            "height": height,
+            "margin": {"l": 20, "r": 20 + max(MIN_PLOT_WIDTH - width, 0), "t": top, "b": 20},
+        }
 
     def _heatmap_data(self, state: CacheState, cells: list[BlockCell]) -> dict[str, Any]:
         """Cell values: z encodes owner colour and fill shade, text the owner, hovertext the details."""
@@ -229,13 +255,19 @@ class BlockMap(Displayable):
 
     def _title(self, state: CacheState, cells: list[BlockCell]) -> str:
         """What the map shows, in lines short enough for the narrowest map; as many lines at every step, so the
-        figure keeps its height while it plays. ``cells`` are the drawn ones, which hold every block the run used.
+        figure keeps its height while it plays. ``cells`` are the drawn ones, which hold every block the run used
+        but in a live map past MAX_DRAWN_BLOCKS, whose title counts the blocks in use that are not drawn.
         """
-        drawn = (
-            [f"blocks 0-{self.num_drawn - 1} drawn: the run used no later one"]
-            if self.num_drawn < state.num_blocks
-            else []
-        )
+        drawn = []
+        if self._growing and self._last_used >= self.num_drawn:  # past MAX_DRAWN_BLOCKS
+            report = self.recorder.reports[state.num_applied - 1] if state.num_applied else None
+            used = state.num_blocks - report.num_free_blocks if report is not None else 0
+            hidden = used - sum(1 for c in cells if c.owner is not None)
+            drawn = [f"blocks 0-{self.num_drawn - 1} of {state.num_blocks} drawn: {hidden} more in use"]
+        elif self._growing:
+            drawn = [f"blocks 0-{self.num_drawn - 1} of {state.num_blocks} drawn: no later one used yet"]
+        elif self.num_drawn < state.num_blocks:
+            drawn = [f"blocks 0-{self.num_drawn - 1} drawn: the run used no later one"]
         if state.num_applied == 0:
             lines = ["KV cache before the first step:", f"{state.num_blocks} blocks x {state.block_size} slots"]
             return "<br>".join(lines + drawn)
@@ -313,6 +345,9 @@ class BlockMap(Displayable):
 
     def _on_report(self, report: StepReport) -> None:
         steps = len(self.history)
+        if self._growing:
+            self._last_used = max([self._last_used, *(event.block_id for event in report.block_events)])
+            self.num_drawn = self._live_drawn()
         if self._widget is None:
             if self._following:
                 self.position = steps
@@ -334,7 +369,10 @@ class BlockMap(Displayable):
         cells = state.cells(self.num_drawn)
         with self._view.batch_update() as fig:
             fig.data[0].update(self._heatmap_data(state, cells))
-            fig.layout.title.text = self._title(state, cells)
+            if self._growing:  # the map may have grown a row
+                fig.layout.update(self._layout(self._title(state, cells)))
+            else:
+                fig.layout.title.text = self._title(state, cells)
         self._table.value = self._table_html(state.rows())
         self._log.value = self._log_html(self.position)
 

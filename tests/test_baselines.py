@@ -241,6 +241,56 @@ def test_transformers_continuous_stops_at_its_time_limit_without_finishing_the_r
                 manager.serve(PROMPTS, WANTED, time_limit=bad)
 
 
+def count_forwards(model, monkeypatch):
+    """Count the model's forward passes (transformers' manager runs one per step)."""
+    calls = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *args, **kwargs: calls.append(1) or forward(*args, **kwargs))
+    return calls
+
+
+@pytest.mark.parametrize("where", ["serve", "with"])
+def test_ctrl_c_stops_transformers_continuous_without_serving_the_pending_requests(model, monkeypatch, where):
+    """Ctrl-C in a serve (or anywhere in the with block) fails the requests still pending: leaving the context
+    does not first run them to their 500 tokens, which on a GPU can take minutes."""
+    steps = count_forwards(model, monkeypatch)
+
+    def interrupt(count: int) -> None:
+        raise KeyboardInterrupt
+
+    runner = TransformersContinuous(model, block_size=8, num_blocks=256, max_num_seqs=4)
+    with pytest.raises(KeyboardInterrupt), runner:
+        if where == "serve":  # the short first request finishes, and the interrupt comes then
+            runner.serve([[5, 6], [7, 8], [9, 10]], [1, 500, 500], on_finish=interrupt)
+        runner._manager.add_request([7, 8], max_new_tokens=500, eos_token_id=-1)
+        interrupt(0)
+    assert len(steps) < 100
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_serve_cut_short_leaves_the_runner_refusing_more_serves(model, monkeypatch):
+    """The requests of a serve cut short are failed, not served: the runner says to open a new context instead of
+    taking more requests on a stopped manager."""
+    monkeypatch.setattr(labkit.serving.baselines, "RESULT_POLL", 0.01)
+    hf = TransformersContinuous(model)
+    hf._manager = ManagerThatNeverFinishes()
+    with pytest.raises(TimeLimitReached):
+        hf.serve(PROMPTS, WANTED, time_limit=0.05)
+    added = hf._manager.added
+    with pytest.raises(RuntimeError, match="leave the with block and open a new one"):
+        hf.serve(PROMPTS, WANTED)
+    assert hf._manager.added == added
+
+
+def test_a_serve_takes_only_the_results_of_its_own_requests(model, clock):
+    """A result for a request this call did not submit (one of an earlier call) is not this call's to report."""
+    script = [(0.25, "req_0", [3], True), (0.5, "req_1", [7, 8], True)]
+    hf = TransformersContinuous(model)
+    hf._manager = ScriptedManager(clock, script)
+    (output,) = hf.serve(PROMPTS[:1], [2])
+    assert output.output_token_ids == [7, 8] and output.metrics.token_times == [0.5, 0.5]
+
+
 def test_transformers_continuous_keeps_the_attention_it_is_given(model, greedy, monkeypatch):
     """Where transformers finds a flash attention it would switch an sdpa model to it (which fails below sm80,
     as on a T4, and may download a kernel): the baseline runs the attention it was given."""
@@ -439,6 +489,7 @@ class ManagerThatDies:
     def __init__(self) -> None:
         self.added = 0
         self.waits: list[float] = []  # how long each get_result was allowed to block
+        self.stopped = False  # by a hard stop, which fails the pending requests
 
     def add_request(self, *args: object, **kwargs: object) -> str:
         self.added += 1
@@ -450,6 +501,9 @@ class ManagerThatDies:
 
     def is_running(self) -> bool:
         return False
+
+    def stop(self, block: bool = True, hard_stop: bool = False) -> None:
+        self.stopped = hard_stop
 
 
 def test_a_manager_whose_thread_died_is_noticed_at_once(model, monkeypatch):
@@ -467,17 +521,12 @@ class ManagerThatNeverFinishes(ManagerThatDies):
     """A manager that runs on without a result: only a time limit ends a run on it (or, after 100 polls, its thread
     dies, so that a run that misses its limit fails instead of hanging)."""
 
-    stopped = False
-
     def get_result(self, timeout: float) -> None:
         time.sleep(timeout)
         return super().get_result(timeout)
 
     def is_running(self) -> bool:
         return not self.stopped and len(self.waits) < 100
-
-    def stop(self, block: bool = True, hard_stop: bool = False) -> None:
-        self.stopped = hard_stop
 
 
 def test_generate_passes_its_time_limit_on(model, monkeypatch):

@@ -213,8 +213,9 @@ class TransformersContinuous:
     Use as a context manager. ``block_size``, ``num_blocks``, ``max_batch_tokens`` and ``max_num_seqs`` mean
     what they mean for labkit's EngineConfig (transformers calls them page_size, num_blocks,
     max_batch_tokens, max_requests_per_batch). It runs the model's own attention implementation (paged),
-    which is restored on exit. After a ``serve`` stopped at its ``time_limit`` the manager is
-    stopped too: leave the context.
+    which is restored on exit. A ``serve`` cut short (its ``time_limit``, Ctrl-C, an error) stops the
+    manager at once, failing the requests still pending, so that leaving the context does not first serve
+    them all; the runner then refuses further ``serve`` calls: leave the context and open a new one.
     """
 
     def __init__(
@@ -240,6 +241,7 @@ class TransformersContinuous:
         self._attention = model.config._attn_implementation
         self._context: Any = None
         self._manager: Any = None
+        self._cut_short = False  # a serve ended early: the manager is stopped and takes no more requests
 
     def __enter__(self) -> TransformersContinuous:
         self._context = self.model.continuous_batching_context_manager(
@@ -250,6 +252,7 @@ class TransformersContinuous:
             if not AUTO_FLASH_SWITCH and not self._attention.startswith("paged|"):
                 self.model.set_attn_implementation(f"paged|{self._attention}")  # the attention stays as set
             self._manager = self._context.__enter__()
+            self._cut_short = False
         except BaseException:  # it may have switched the model's attention already
             self.model.config._attn_implementation = self._attention
             self._context = None
@@ -258,6 +261,8 @@ class TransformersContinuous:
 
     def __exit__(self, *exc_info: Any) -> None:
         try:
+            if exc_info[0] is not None and not self._cut_short:  # a plain stop would serve every pending request
+                _stop_now(self._manager)
             self._context.__exit__(*exc_info)
         finally:
             self.model.config._attn_implementation = self._attention
@@ -298,7 +303,29 @@ class TransformersContinuous:
             _check_seconds("time_limit", time_limit)
         if self._manager is None:
             raise RuntimeError("use TransformersContinuous as a context manager")
+        if self._cut_short:
+            raise RuntimeError(
+                "an earlier serve was cut short and stopped transformers' manager: leave the with block and open"
+                " a new one"
+            )
         arrivals = _arrival_times(arrival_times, len(prompts))
+        try:
+            return self._serve(prompts, max_new_tokens, arrivals, eos_token_ids, on_finish, time_limit)
+        except BaseException:  # Ctrl-C, the time limit, an error: fail what is pending instead of serving it
+            self._cut_short = True
+            _stop_now(self._manager)
+            raise
+
+    def _serve(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: Sequence[int],
+        arrivals: list[float],
+        eos_token_ids: Collection[int],
+        on_finish: OnFinish | None,
+        time_limit: float | None,
+    ) -> list[RequestOutput]:
+        """The body of :meth:`serve`, on checked requests: kept apart so that serve can stop it all at once."""
         manager = self._manager
         eos = sorted(eos_token_ids) or -1
         start = time.perf_counter()
@@ -309,9 +336,11 @@ class TransformersContinuous:
         outputs: dict[int, RequestOutput] = {}
 
         def take(result: Any) -> None:
+            index = index_of.get(result.request_id)
+            if index is None:  # a request of an earlier, cut-short call: not this call's to report
+                return
             if result.error is not None:
                 raise RuntimeError(f"transformers' continuous batching failed on {result.request_id}: {result.error}")
-            index = index_of[result.request_id]
             if result.lifespan[0] >= 0:  # the first time it was scheduled, before any soft reset
                 scheduled.setdefault(index, result.lifespan[0])
             _stamp_new_tokens(times[index], result, time.perf_counter())
@@ -334,7 +363,6 @@ class TransformersContinuous:
             if len(outputs) == len(prompts):  # every request finished in time: the run is complete
                 return
             seconds, tokens = time.perf_counter() - start, sum(map(len, times.values()))
-            _stop_now(manager)  # not timed: stopping is not generating
             raise TimeLimitReached(len(outputs), len(prompts), tokens, seconds)
 
         for index in sorted(range(len(prompts)), key=arrivals.__getitem__):

@@ -32,7 +32,7 @@ from labkit.serving.baselines import (
 )
 from labkit.serving.bench import BenchSetup, load_model, main, results_json, run_bench
 from labkit.serving.metrics import run_metrics
-from labkit.serving.workloads import make_workload
+from labkit.serving.workloads import WorkloadRequest, make_workload
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12] * 9, [13, 14, 15]]
 WANTED = [3, 6, 4, 5]
@@ -402,6 +402,33 @@ def test_bad_baseline_inputs(model):
         timed_padded_generate(model, [], [])
     with pytest.raises(RuntimeError, match="context manager"):
         TransformersContinuous(model).serve(PROMPTS, WANTED)
+
+
+# A request due at infinity would be waited for forever, and text would fail deep inside the run: the baselines
+# refuse what a WorkloadRequest refuses, naming the request.
+@pytest.mark.parametrize(
+    ("arrival", "error", "message"),
+    [
+        (float("inf"), ValueError, r"arrival_times\[1\] must be a finite number of seconds >= 0, got inf"),
+        (float("nan"), ValueError, r"arrival_times\[1\] must be a finite number of seconds >= 0, got nan"),
+        (-0.5, ValueError, r"arrival_times\[1\] must be a finite number of seconds >= 0, got -0.5"),
+        ("0.5", TypeError, r"arrival_times\[1\] must be a number of seconds, got str '0.5'"),
+        (True, TypeError, r"arrival_times\[1\] must be a number of seconds, got bool True"),
+    ],
+)
+def test_the_baselines_refuse_an_arrival_time_that_a_workload_request_refuses(
+    model, monkeypatch, arrival, error, message
+):
+    with pytest.raises(error, match=message.replace(r"arrival_times\[1\]", "arrival_time")):
+        WorkloadRequest([5], 1, arrival)
+    forbid_generate(model, monkeypatch)
+    with pytest.raises(error, match=message):
+        timed_padded_generate(model, PROMPTS[:2], WANTED[:2], arrival_times=[0.0, arrival])
+    hf = TransformersContinuous(model)
+    hf._manager = ManagerThatDies()
+    with pytest.raises(error, match=message):
+        hf.serve(PROMPTS[:2], WANTED[:2], arrival_times=[0.0, arrival])
+    assert hf._manager.added == 0
 
 
 # (prompts, max_new_tokens, error, message): request 1 is the bad one. The model has 1024 token ids, 512 positions.

@@ -41,6 +41,7 @@ from labkit.core.request import (
     check_request_length,
     prompt_token_ids,
 )
+from labkit.serving.workloads import checked_arrival_time
 
 RESULT_TIMEOUT = 600  # seconds to wait for transformers' manager to return a result before giving up
 RESULT_POLL = 1.0  # seconds between checks that its background thread is still running
@@ -572,9 +573,7 @@ def _arrival_times(arrival_times: Sequence[float] | None, n: int) -> list[float]
         return [0.0] * n
     if len(arrival_times) != n:
         raise ValueError(f"got {len(arrival_times)} arrival times for {n} prompts")
-    if any(not t >= 0 for t in arrival_times):  # also rejects NaN
-        raise ValueError("arrival times must be >= 0 seconds")
-    return [float(t) for t in arrival_times]
+    return [checked_arrival_time(f"arrival_times[{i}]", t) for i, t in enumerate(arrival_times)]
 
 
 def _sleep_until(t: float) -> None:

@@ -57,12 +57,9 @@ class WorkloadRequest:
             raise TypeError(f"max_new_tokens must be an int, got {type(self.max_new_tokens).__name__}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if isinstance(self.arrival_time, bool) or not isinstance(self.arrival_time, numbers.Real):
-            raise TypeError(f"arrival_time must be a number of seconds, got {type(self.arrival_time).__name__}")
-        if not 0 <= self.arrival_time < math.inf:
-            raise ValueError(f"arrival_time must be a finite number of seconds >= 0, got {self.arrival_time}")
+        arrival_time = checked_arrival_time("arrival_time", self.arrival_time)
         object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
-        object.__setattr__(self, "arrival_time", float(self.arrival_time))
+        object.__setattr__(self, "arrival_time", arrival_time)
 
     def sampling_params(self, *, ignore_eos: bool = True) -> SamplingParams:
         """Greedy params for exactly ``max_new_tokens`` tokens (unless ``ignore_eos=False`` lets EOS stop it)."""
@@ -141,6 +138,15 @@ WORKLOADS: dict[str, LengthSampler] = {
     "sharegpt-like": sharegpt_like_lengths,
     "shared-prefix": shared_prefix_lengths,
 }
+
+
+def checked_arrival_time(name: str, value: object) -> float:
+    """``value`` as seconds from the start, refused unless a finite real number >= 0: a run waits for its arrivals."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__} {value!r}")
+    if not 0 <= value < math.inf:
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value}")
+    return float(value)
 
 
 # ---------------------------------------------------------------------------------------------- arrivals

@@ -155,6 +155,13 @@ def test_a_sweep_with_an_offline_point_takes_a_burstiness_for_its_online_ones(ca
     assert "2/s" in capsys.readouterr().out
 
 
+def test_one_request_at_a_rate_runs_and_states_no_drawn_rate(capsys):
+    """A single request has no gap between arrivals to draw a rate from: the run goes ahead and says none."""
+    assert main(["--num-requests", "1", "--rate", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "1 requests" in out and "arrivals over" in out and "in this draw" not in out
+
+
 def test_a_bench_run_in_a_notebook_leaves_its_threads_and_logging_as_they_were(capsys):
     import torch
     from transformers.utils import logging as transformers_logging

@@ -202,7 +202,9 @@ def describe_workload(workload: Sequence[WorkloadRequest], arrivals: bool = True
     last = max(r.arrival_time for r in workload)
     if last == 0:
         return text + ", all at t=0 (offline)"
-    return text + f", arrivals over {last:.1f} s ({drawn_rate(workload):.2f}/s in this draw)"
+    rate = drawn_rate(workload)  # none for a single request: no gap to measure
+    drawn = f" ({rate:.2f}/s in this draw)" if rate is not None else ""
+    return text + f", arrivals over {last:.1f} s{drawn}"
 
 
 def drawn_rate(workload: Sequence[WorkloadRequest]) -> float | None:

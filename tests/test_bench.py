@@ -10,6 +10,7 @@ import subprocess
 import sys
 from contextlib import ExitStack
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -369,6 +370,19 @@ def test_main_sweeps_rates_and_writes_html(tmp_path, capsys):
     for heading in ("Output throughput over time", "Latency distributions", "KV-cache usage", "Batch composition"):
         assert heading in page
     assert "Sweep" in page and "labkit-static @ 4/s" in page
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a file that every write fails on")
+@pytest.mark.parametrize("full", ["--json", "--html"])
+def test_an_output_file_that_cannot_be_written_is_said_in_a_line_and_the_other_is_still_written(tmp_path, capsys, full):
+    """/dev/full passes the checks before the runs (it exists and is writable) and fails only when written to."""
+    other = "--html" if full == "--json" else "--json"
+    path = tmp_path / f"bench.{other[2:]}"
+    assert main(["--num-requests", "2", "--no-progress", full, "/dev/full", other, str(path)]) == 1
+    out, err = capsys.readouterr()
+    what = "results" if full == "--json" else "report"
+    assert f"labkit bench: error: cannot write the {what} to /dev/full: No space left on device" in err
+    assert "Traceback" not in err and path.stat().st_size > 0 and f"written to {path}" in " ".join(out.split())
 
 
 def test_report_from_saved_json(tmp_path):

@@ -13,6 +13,7 @@ import json
 import math
 import re
 import sys
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
@@ -172,7 +173,8 @@ WORKLOAD_OPTIONS = ("prompt_len", "output_len", "long_output_len", "prefix_len",
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``labkit bench``; the exit status: 0 all done, 1 some mode failed part-way, 2 refused before running.
+    """Run ``labkit bench``; the exit status: 0 all done, 1 some mode failed part-way or an output file could not
+    be written, 2 refused before running.
 
     What the run sets for the process (torch's threads, transformers' logging) is put back when it ends, so a
     notebook that calls it keeps its own settings.
@@ -216,21 +218,34 @@ def _run(args: argparse.Namespace, restore: ExitStack) -> int:
     if note:
         console.print(note)
     data = results_json(results, meta)
+    written = True
     if args.json is not None:
-        args.json.write_text(json.dumps(data, indent=1))
-        console.print(f"results written to {args.json}")
+        written &= _write_output(
+            console, "results", args.json, lambda path: path.write_text(json.dumps(data, indent=1))
+        )
     if args.html is not None:
         from labkit.serving.bench.html import write_html
 
-        write_html(args.html, data)
-        console.print(f"report written to {args.html}")
+        written &= _write_output(console, "report", args.html, lambda path: write_html(path, data))
     failed = [r for r in results if r.failed]
     for result in failed:
         where = f" at {rate_label(result.rate)}" if len(workloads) > 1 else ""
         print(f"labkit bench: error: mode {result.mode!r} failed{where}: {result.error}", file=sys.stderr)
     if failed:
         print(f"labkit bench: {len(failed)} of {len(results)} runs failed; the others are shown", file=sys.stderr)
-    return 1 if failed else 0
+    return 1 if failed or not written else 0
+
+
+def _write_output(console: Console, what: str, path: Path, write: Callable[[Path], object]) -> bool:
+    """Write one output file, saying so; one that cannot be written (a full disk) is said in one line and the
+    other file is still written, since the runs that fill them may have taken hours."""
+    try:
+        write(path)
+    except OSError as error:
+        print(f"labkit bench: error: cannot write the {what} to {path}: {error.strerror or error}", file=sys.stderr)
+        return False
+    console.print(f"{what} written to {path}")
+    return True
 
 
 def as_flag(message: str) -> str:

@@ -163,6 +163,15 @@ def test_one_request_at_a_rate_runs_and_states_no_drawn_rate(capsys):
     assert "1 requests" in out and "arrivals over" in out and "in this draw" not in out
 
 
+def test_a_rate_given_twice_runs_once_and_is_recorded_once(tmp_path):
+    """As with --modes, a repeated rate is kept once: the JSON lists the rates that ran, not the flag's text."""
+    assert build_parser().parse_args(["--rate", "2,inf,2.0,4,inf"]).rates == [2.0, None, 4.0]
+    path = tmp_path / "bench.json"
+    assert main(["--num-requests", "2", "--rate", "2,2", "--no-progress", "--json", str(path)]) == 0
+    meta = json.loads(path.read_text())["meta"]
+    assert meta["rates"] == [2.0] and meta["rate"] == 2.0
+
+
 def test_a_bench_run_in_a_notebook_leaves_its_threads_and_logging_as_they_were(capsys):
     import torch
     from transformers.utils import logging as transformers_logging

@@ -448,7 +448,10 @@ def _pair(text: str) -> tuple[int, int]:
 
 
 def _rates(text: str) -> list[float | None]:
-    """``"2,4,8"`` -> [2.0, 4.0, 8.0]; ``inf`` is all at once (None). Each rate must be > 0."""
+    """``"2,4,8"`` -> [2.0, 4.0, 8.0]; ``inf`` is all at once (None). Each rate must be > 0.
+
+    A rate given twice is kept once, as a mode is: it runs once, and the results say so.
+    """
     rates: list[float | None] = []
     for part in text.split(","):
         try:
@@ -458,7 +461,7 @@ def _rates(text: str) -> list[float | None]:
         if not rate > 0:
             raise argparse.ArgumentTypeError(f"rate must be > 0 requests per second, got {part.strip()}")
         rates.append(None if math.isinf(rate) else rate)
-    return rates
+    return list(dict.fromkeys(rates))
 
 
 if __name__ == "__main__":

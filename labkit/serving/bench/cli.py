@@ -284,6 +284,11 @@ def prepare(
     Returns the setup, the workload of each rate, the modes, the latency targets and the JSON's ``meta``.
     What it changes in the process is undone when ``restore`` closes.
     """
+    if args.max_num_seqs is not None and args.max_num_seqs > args.max_batch_tokens:  # said here with the flags
+        raise ValueError(
+            f"--max-num-seqs ({args.max_num_seqs}) must be <= --max-batch-tokens ({args.max_batch_tokens}):"
+            " every running request needs at least one token of a step's budget"
+        )
     config = EngineConfig(
         block_size=args.block_size,
         num_blocks=args.num_blocks,

@@ -190,8 +190,11 @@ def test_bad_run_inputs():
     with pytest.raises(ValueError, match="target tpot must be a finite number of seconds > 0"):
         run_metrics([A], targets={"tpot": -1})
     instant = make_output(0, 1, [0.0], arrival=0.0, scheduled=0.0)
-    with pytest.raises(ValueError, match=r"lasted 0\.0 s"):
+    with pytest.raises(ValueError, match=r"lasted 0\.0 s \(first arrival to last finish\); throughput"):
         run_metrics([instant])
+    aborted = make_output(0, 3, [], arrival=1.0, scheduled=1.0, reason="abort")  # as it arrived: no time passed
+    with pytest.raises(ValueError, match=r"lasted 0\.0 s .*; every request was aborted as it arrived"):
+        run_metrics([aborted])
 
 
 def make_report(step, free, *, preempted=()):

@@ -264,7 +264,8 @@ def run_metrics(
     end = max(o.metrics.finish_time for o in outputs)
     duration = end - start
     if not duration > 0:
-        raise ValueError(f"the run lasted {duration} s (first arrival to last finish); throughput is undefined")
+        why = "; every request was aborted as it arrived" if not served else ""
+        raise ValueError(f"the run lasted {duration} s (first arrival to last finish){why}; throughput is undefined")
     num_prompt = sum(s.num_prompt_tokens for s in stats)
     num_output = sum(s.num_output_tokens for s in stats)
     if isinstance(targets, str):

@@ -217,7 +217,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         unknown = f"labkit: unknown command {argv[0]!r}\n" if argv else ""
         print(f"{unknown}{USAGE}", file=sys.stderr)
         return 2
-    return commands[argv[0]](argv[1:])
+    try:
+        return commands[argv[0]](argv[1:])
+    except KeyboardInterrupt:  # Ctrl-C in a terminal: a line, not a traceback; 130 is how shells report it
+        print(f"labkit {argv[0]}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -66,3 +66,16 @@ def test_unknown_command_is_named_and_help_goes_to_stdout(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr()
     assert "usage: labkit" in out.out and not out.err
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "check"])
+def test_a_ctrl_c_ends_a_command_with_a_line_and_status_130(command, capsys, monkeypatch):
+    """In a terminal a Ctrl-C ends labkit with one line, not a traceback, and the status shells give SIGINT."""
+    import labkit.cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(labkit.cli, f"{command}_main", interrupted)
+    assert main([command]) == 130
+    assert capsys.readouterr().err == f"labkit {command}: interrupted\n"

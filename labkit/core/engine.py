@@ -337,10 +337,7 @@ class Engine:
             report = self._report(output, sampled, finished, start, end, self._report_state(free_in_step))
         finally:
             held.release()
-        try:
-            return self._publish(report)
-        finally:
-            held.deliver()  # the step is whole and reported: a Ctrl-C held meanwhile is raised now
+        return self._publish_then_deliver(report)
 
     def _step_ahead(self) -> StepReport:
         """Async scheduling: keep two steps launched, then finish the older one."""
@@ -411,10 +408,7 @@ class Engine:
             report = self._report(step.output, kept, finished, step.start, end, step.state)
         finally:
             self._commit_interrupt.release()
-        try:
-            return self._publish(report)
-        finally:
-            self._commit_interrupt.deliver()
+        return self._publish_then_deliver(report)
 
     def _note_given_back(self, step: _LaunchedStep) -> None:
         """Bring ``step``'s report up to now: the block events since the last report, the free blocks and queues.
@@ -430,6 +424,14 @@ class Engine:
         for request in output.admitted:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = start
+
+    def _publish_then_deliver(self, report: StepReport) -> StepReport:
+        """Publish a committed step's report, then raise a Ctrl-C held during its commit: the listeners see every
+        step, and the handler is back in place while they run, so a Ctrl-C in one of them acts at once."""
+        try:
+            return self._publish(report)
+        finally:
+            self._commit_interrupt.deliver()
 
     def _publish(self, report: StepReport) -> StepReport:
         """Hand the report to every step listener (after the commit: one that raises does not undo the step)."""

@@ -306,6 +306,16 @@ def as_int(name: str, value: object) -> int:
     return int(value)
 
 
+def as_seconds(name: str, value: object) -> float:
+    """A time in seconds (numpy's numbers too) as a Python float, refused unless finite and >= 0: a clock that
+    went back, or a run waiting for an arrival at infinity, would be wrong without a word."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__} {value!r}")
+    if not 0 <= value < math.inf:
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value}")
+    return float(value)
+
+
 def _as_float(name: str, value: object) -> float:
     """A real number of any kind (int, float, numpy.float32, ...) as a Python float; bool and NaN are refused."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

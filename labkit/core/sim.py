@@ -13,13 +13,12 @@ it (``EngineConfig(async_scheduling=True)``) host and device overlap, and a step
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from labkit.core.blocks import BlockAllocator
 from labkit.core.config import EngineConfig
-from labkit.core.request import Request, as_int
+from labkit.core.request import Request, as_int, as_seconds
 from labkit.core.scheduler import SchedulerOutput
 
 
@@ -41,12 +40,7 @@ class CostModel:
         if not isinstance(self.name, str):
             raise TypeError(f"name must be a str, got {type(self.name).__name__}")
         for field in ("base", "per_token", "per_kv_token", "host_base", "host_per_request"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise TypeError(f"{field} must be a number of seconds, got {type(value).__name__} {value!r}")
-            if not 0 <= value < math.inf:
-                raise ValueError(f"{field} must be a finite number of seconds >= 0, got {value}")
-            object.__setattr__(self, field, float(value))  # frozen: only __post_init__ normalizes
+            object.__setattr__(self, field, as_seconds(field, getattr(self, field)))  # frozen: only here normalized
 
     def step_time(self, num_tokens: int, num_kv_tokens: int) -> float:
         """The device's time for a step that computes ``num_tokens`` rows over ``num_kv_tokens`` keys."""

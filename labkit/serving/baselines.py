@@ -37,11 +37,11 @@ from labkit.core.request import (
     RequestMetrics,
     RequestOutput,
     SamplingParams,
+    as_seconds,
     as_token_id,
     check_request_length,
     prompt_token_ids,
 )
-from labkit.serving.workloads import checked_arrival_time
 
 RESULT_TIMEOUT = 600  # seconds to wait for transformers' manager to return a result before giving up
 RESULT_POLL = 1.0  # seconds between checks that its background thread is still running
@@ -573,7 +573,7 @@ def _arrival_times(arrival_times: Sequence[float] | None, n: int) -> list[float]
         return [0.0] * n
     if len(arrival_times) != n:
         raise ValueError(f"got {len(arrival_times)} arrival times for {n} prompts")
-    return [checked_arrival_time(f"arrival_times[{i}]", t) for i, t in enumerate(arrival_times)]
+    return [as_seconds(f"arrival_times[{i}]", t) for i, t in enumerate(arrival_times)]
 
 
 def _sleep_until(t: float) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from labkit.core.request import SamplingParams
+from labkit.core.request import SamplingParams, as_seconds
 
 DEFAULT_NUM_REQUESTS = 32
 LONG_TAIL_RATIO = 8  # one request in eight is long
@@ -57,7 +57,7 @@ class WorkloadRequest:
             raise TypeError(f"max_new_tokens must be an int, got {type(self.max_new_tokens).__name__}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        arrival_time = checked_arrival_time("arrival_time", self.arrival_time)
+        arrival_time = as_seconds("arrival_time", self.arrival_time)
         object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
         object.__setattr__(self, "arrival_time", arrival_time)
 
@@ -138,15 +138,6 @@ WORKLOADS: dict[str, LengthSampler] = {
     "sharegpt-like": sharegpt_like_lengths,
     "shared-prefix": shared_prefix_lengths,
 }
-
-
-def checked_arrival_time(name: str, value: object) -> float:
-    """``value`` as seconds from the start, refused unless a finite real number >= 0: a run waits for its arrivals."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__} {value!r}")
-    if not 0 <= value < math.inf:
-        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value}")
-    return float(value)
 
 
 # ---------------------------------------------------------------------------------------------- arrivals

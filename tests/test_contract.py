@@ -353,6 +353,7 @@ def test_numpy_flags_and_integers_are_taken_and_stored_as_python_ones():
     assert all(type(getattr(config, flag)) is bool for flag in flags)
     model = SimulatedModel(vocab_size=np.int64(64), seed=np.uint8(3), default_num_blocks=np.int16(8))
     assert type(model.vocab_size) is type(model.seed) is type(model.default_num_blocks) is int
+    assert type(SimulatedModel(mean_output_len=np.float32(6.5)).mean_output_len) is float  # numpy's floats too
     (output,) = Engine(model, config).generate([[5, 6, 7]], params)
     assert len(output.output_token_ids) == 4
 

@@ -13,6 +13,7 @@ it (``EngineConfig(async_scheduling=True)``) host and device overlap, and a step
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -96,11 +97,12 @@ class SimulatedModel:
                 raise ValueError(f"unknown cost preset {self.cost!r}; choose from {sorted(COST_PRESETS)}")
         elif not isinstance(self.cost, CostModel):
             raise TypeError(f"cost must be a preset name or a CostModel, got {type(self.cost).__name__}")
-        if self.mean_output_len is not None:
-            if isinstance(self.mean_output_len, bool) or not isinstance(self.mean_output_len, (int, float)):
+        if self.mean_output_len is not None:  # numpy's numbers too, stored as a float
+            if isinstance(self.mean_output_len, bool) or not isinstance(self.mean_output_len, numbers.Real):
                 raise TypeError(f"mean_output_len must be a number or None, got {type(self.mean_output_len).__name__}")
             if not 1 <= self.mean_output_len < math.inf:
                 raise ValueError(f"mean_output_len must be a finite number >= 1, got {self.mean_output_len}")
+            object.__setattr__(self, "mean_output_len", float(self.mean_output_len))
 
     @property
     def cost_model(self) -> CostModel:

@@ -336,6 +336,29 @@ def test_a_live_map_past_max_drawn_blocks_counts_the_blocks_in_use_it_does_not_d
     assert hidden_seen
 
 
+def test_a_replay_past_max_drawn_blocks_stops_there_and_counts_the_blocks_in_use_it_does_not_draw(
+    monkeypatch,
+) -> None:
+    """A GPU trace's run can use tens of thousands of blocks: drawn whole, its replay was a map of megabytes."""
+    monkeypatch.setattr(blockmap_module, "MAX_DRAWN_BLOCKS", 16)
+    engine = make_engine(num_blocks=60)
+    recorder = record(engine)
+    snapshots = []
+    run(engine, on_step=lambda: snapshots.append(allocator_cells(engine)))
+    recorder.detach()
+    blocks = BlockMap(recorder, columns=8)
+    assert blocks.num_drawn == 16
+    hidden_seen = 0
+    for position, expected in enumerate(snapshots, start=1):
+        fig = blocks.figure(position)
+        assert figure_cells(fig, 8, 4) == expected[:16]
+        hidden = sum(owner is not None for b, owner, *_ in expected[16:])
+        if hidden:
+            assert f"blocks 0-15 of 60 drawn: {hidden} more in use" in fig.layout.title.text
+            hidden_seen += 1
+    assert hidden_seen
+
+
 def test_a_replayed_gpu_sized_cache_is_drawn_up_to_the_last_block_the_run_used() -> None:
     engine = make_engine(num_blocks=60_000)  # a GPU's cache, sized from its memory
     recorder = record(engine)

@@ -66,8 +66,8 @@ class BlockMap(Displayable):
     not in any report. A replayed cache of more than MAX_DRAWN_BLOCKS blocks is drawn from block 0 to the
     last one the run ever used (the free queue hands blocks out in order), so that a GPU's tens of
     thousands do not make a grey map of megabytes; the title says so. A live map of such a cache grows a
-    row at a time as the run uses more blocks, up to MAX_DRAWN_BLOCKS, and its title counts the blocks in
-    use past them: it redraws at every step, and a map of every block costs a second a redraw.
+    row at a time as the run uses more blocks. Either stops at MAX_DRAWN_BLOCKS, and its title then counts
+    the blocks in use past them: a map of every block costs a second a redraw.
     """
 
     def __init__(
@@ -100,16 +100,17 @@ class BlockMap(Displayable):
                     " shows; attach before the engine's first step"
                 )
         # A GPU's cache (tens of thousands of blocks) is drawn up to the last block the run used: a replay's
-        # once, a live map's growing a row at a time as the run takes more, up to MAX_DRAWN_BLOCKS.
-        self._growing = self.recorder.live and num_blocks > MAX_DRAWN_BLOCKS
+        # once, a live map's growing a row at a time as the run takes more; either up to MAX_DRAWN_BLOCKS.
+        cut_short = num_blocks > MAX_DRAWN_BLOCKS
+        self._growing = self.recorder.live and cut_short
         self._last_used = -1  # the highest block a step has used so far, where the map is cut short
-        if num_blocks > MAX_DRAWN_BLOCKS:
+        if cut_short:
             events = (event.block_id for report in self.recorder.reports for event in report.block_events)
             self._last_used = max(events, default=-1)
         if self._growing:
             drawn = MAX_DRAWN_BLOCKS  # the most it will draw sets its columns
-        elif num_blocks > MAX_DRAWN_BLOCKS:
-            drawn = max(self._last_used + 1, 1)
+        elif cut_short:
+            drawn = min(max(self._last_used + 1, 1), MAX_DRAWN_BLOCKS)
         else:
             drawn = num_blocks
         if columns is None:  # about twice as wide as tall, cells big enough to read while they fit
@@ -256,10 +257,10 @@ class BlockMap(Displayable):
     def _title(self, state: CacheState, cells: list[BlockCell]) -> str:
         """What the map shows, in lines short enough for the narrowest map; as many lines at every step, so the
         figure keeps its height while it plays. ``cells`` are the drawn ones, which hold every block the run used
-        but in a live map past MAX_DRAWN_BLOCKS, whose title counts the blocks in use that are not drawn.
+        but past MAX_DRAWN_BLOCKS, where the title counts the blocks in use that are not drawn.
         """
         drawn = []
-        if self._growing and self._last_used >= self.num_drawn:  # past MAX_DRAWN_BLOCKS
+        if self._last_used >= self.num_drawn:  # past MAX_DRAWN_BLOCKS
             report = self.recorder.reports[state.num_applied - 1] if state.num_applied else None
             used = state.num_blocks - report.num_free_blocks if report is not None else 0
             hidden = used - sum(1 for c in cells if c.owner is not None)

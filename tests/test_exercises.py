@@ -1544,17 +1544,23 @@ def output_on_the_cpu(q, k, v, table, context_len, scale):
     return paged_attention(q, k, v, table, context_len, scale).cpu()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device case runs on the GPU only where there is one")
-def test_ex5_an_output_or_a_tensor_off_the_querys_device_is_named_on_a_gpu():
-    case = "the output stays on the query's device (a GPU's, where there is one)"
-    text = only_failure(5, output_on_the_cpu, case)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="meta has no data to copy to the CPU: a GPU only")
+def test_ex5_an_output_copied_to_the_cpu_is_named_on_a_gpu():
+    text = only_failure(5, output_on_the_cpu, "the output stays on the query's device (a GPU's, or without one, meta)")
     assert "expected: a tensor on the query's device, cuda:0" in text and "got:      a tensor on cpu" in text
     assert "query.device" in text
+
+
+def test_ex5_a_tensor_made_off_the_querys_device_is_named_with_or_without_a_gpu():
+    """Without a GPU the case runs on meta too, where a mask made without device= raises as on a GPU."""
+    case = "the output stays on the query's device (a GPU's, or without one, meta)"
     text = only_failure(5, functools.partial(written_out, on_device=False), case)  # its mask is on the CPU
     assert "your code raised RuntimeError" in text and "device=query.device" in text
+    if not torch.cuda.is_available():
+        assert "query, key_cache and value_cache are on meta, torch's device with no data" in text
 
 
-def test_ex5_an_output_off_the_querys_device_is_named():
+def test_ex5_compare_names_an_output_off_the_querys_device():
     from labkit.exercises.ex5_paged_attention import compare
 
     def on_the_cpu(q, k, v, table, context_len, scale):
@@ -1569,7 +1575,7 @@ def test_ex5_an_output_off_the_querys_device_is_named():
 def test_ex5_the_device_case_runs_the_function_on_a_machine_without_a_gpu_too(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     case = next(
-        c for c in get(5).cases if c.name == "the output stays on the query's device (a GPU's, where there is one)"
+        c for c in get(5).cases if c.name == "the output stays on the query's device (a GPU's, or without one, meta)"
     )
     assert framework.run_case(case, paged_attention) is None
     assert framework.run_case(case, load_implementation(get(5), STUBS)[0]).kind == "not started"
@@ -1952,6 +1958,64 @@ def test_ex6_a_tensor_made_without_the_logits_device_is_named():
     assert f"every tensor on {device}" in text and "your code raised RuntimeError" in text
     assert "beyond_k = torch.arange(vocab)" in text  # the line where the CPU tensor meets the rows
     assert "make every tensor you create on logits.device: torch.arange(vocab, device=logits.device)" in text
+
+
+class CdfByMatmulOnTheCpu(Sampler):
+    """Right on the CPU; the CDF is a matmul with a triangle of ones made without device= (meta lets that through
+    on its own: on a GPU it raises)."""
+
+    def sample_rows(self, logits, temperature, top_k, top_p, uniform):
+        vocab = logits.shape[-1]
+        sorted_logits, ids = (logits / temperature[:, None]).sort(dim=-1, descending=True, stable=True)
+        beyond_k = torch.arange(vocab, device=logits.device) >= torch.where(top_k > 0, top_k, vocab)[:, None]
+        probs = sorted_logits.masked_fill(beyond_k, float("-inf")).softmax(dim=-1)
+        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p[:, None], 0.0).double()
+        cdf = probs @ torch.ones(vocab, vocab, dtype=torch.float64).triu()
+        index = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp_(max=vocab - 1)
+        return ids.gather(1, index).squeeze(1)
+
+
+class GatherIndexOnTheCpu(Sampler):
+    """Right on the CPU; the rows' largest logit is gathered with an index made without device=."""
+
+    def sample_rows(self, logits, temperature, top_k, top_p, uniform):
+        vocab = logits.shape[-1]
+        sorted_logits, ids = (logits / temperature[:, None]).sort(dim=-1, descending=True, stable=True)
+        sorted_logits = sorted_logits - sorted_logits.gather(1, torch.zeros(len(logits), 1, dtype=torch.long))
+        beyond_k = torch.arange(vocab, device=logits.device) >= torch.where(top_k > 0, top_k, vocab)[:, None]
+        probs = sorted_logits.masked_fill(beyond_k, float("-inf")).softmax(dim=-1)
+        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p[:, None], 0.0)
+        cdf = probs.double().cumsum(dim=-1)
+        index = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp_(max=vocab - 1)
+        return ids.gather(1, index).squeeze(1)
+
+
+@pytest.mark.parametrize(
+    ("sampler", "line"), [(CdfByMatmulOnTheCpu, "cdf = probs @"), (GatherIndexOnTheCpu, "gather(1, torch.zeros")]
+)
+def test_ex6_a_cpu_tensor_in_a_matmul_or_a_gather_is_named_too(sampler, line):
+    text = only_failure(6, sampler, "rows on a GPU (or, without one, on meta) mix no devices")
+    assert "your code raised RuntimeError" in text and line in text
+    assert "Expected all tensors to be on the same device" in text
+    assert "make every tensor you create on logits.device" in text
+
+
+def test_the_meta_device_check_lets_through_what_a_gpu_takes():
+    """CPU indices, 0-d CPU scalars, copies and *_as ops cross devices on a GPU too; a host read ends the check."""
+    from labkit.exercises.meta_device import run_on_meta
+
+    def fine():
+        rows = torch.empty(4, 8, device="meta")
+        rows = rows[torch.arange(2)] * torch.tensor(2.0)
+        rows[torch.tensor([0])] = 1.0
+        return rows.expand_as(torch.empty(2, 8)) + torch.empty(2, 8).to("meta")
+
+    assert run_on_meta(fine).shape == (2, 8)
+    assert run_on_meta(lambda: torch.empty(3, device="meta").sum().item()) is None
+    with pytest.raises(RuntimeError, match="meta and cpu"):
+        run_on_meta(lambda: torch.empty(2, 3, device="meta") @ torch.ones(3, 2))
+    with pytest.raises(RuntimeError, match="meta and cpu"):
+        run_on_meta(lambda: torch.searchsorted(torch.empty(2, 3, device="meta"), torch.zeros(2, 1)))
 
 
 @pytest.mark.parametrize(

@@ -304,6 +304,8 @@ def compare(
     """
     import torch
 
+    from labkit.exercises.meta_device import META_NOTE
+
     s = scenario(heads, kv_heads, context, queries, block_size, seed, reserved_blocks)
     tensors = ("query", "key_cache", "value_cache", "keys", "values")
     s.update({name: s[name].to(getattr(torch, dtype)) for name in tensors})
@@ -321,6 +323,7 @@ def compare(
             else ""
         )
         + ("" if device == "cpu" else f"\nquery, key_cache and value_cache are on {device}")
+        + ("" if device != "meta" else f", {META_NOTE}")
     )
     showing(text)
     with torch.no_grad():
@@ -438,14 +441,21 @@ DEVICE_HINT = (
 BF16_CASE: dict[str, Any] = dict(heads=4, kv_heads=2, context=37, queries=5, block_size=4, seed=1, dtype="bfloat16")
 
 
-def _on_cuda(fn: Any) -> None:
+def _on_device(fn: Any) -> None:
     """The bfloat16 case's inputs on the GPU where there is one, checked in full. On a machine without one the
-    function still runs, on the CPU, so that a stub counts as not started, but only where its output lands is
-    checked: its values are the bfloat16 case's."""
+    function runs on the CPU first, so that a stub or its own error is reported as itself (its values are the
+    bfloat16 case's), then on torch's meta device standing in for a GPU, where a tensor it makes without
+    ``device=query.device`` raises as on a GPU (:func:`labkit.exercises.meta_device.run_on_meta`) and the output
+    must come back on meta."""
     import torch
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    compare(fn, DEVICE_HINT, **BF16_CASE, device=device, values=device != "cpu")
+    if torch.cuda.is_available():
+        compare(fn, DEVICE_HINT, **BF16_CASE, device="cuda")
+        return
+    from labkit.exercises.meta_device import run_on_meta
+
+    compare(fn, DEVICE_HINT, **BF16_CASE, values=False)
+    run_on_meta(lambda: compare(fn, DEVICE_HINT, **BF16_CASE, device="meta", values=False))
 
 
 # The large-scores case: a scale of 40 makes scores of a few hundred (q . k is about +-3 for D=8), and a softmax
@@ -546,7 +556,7 @@ CASES = [
         **BF16_CASE,
     ),
     _case("large scores: the softmax stays finite", LARGE_SCORES_HINT, **LARGE_SCORES_CASE),
-    Case("the output stays on the query's device (a GPU's, where there is one)", _on_cuda, DEVICE_HINT),
+    Case("the output stays on the query's device (a GPU's, or without one, meta)", _on_device, DEVICE_HINT),
     property_case("random shapes match dense attention", _strategy, _property, max_examples=40),
 ]
 

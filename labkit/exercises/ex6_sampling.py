@@ -428,12 +428,12 @@ def _on_device(cls: Any) -> None:
     a GPU: on CUDA where there is one, whose tokens must be labkit's there too.
 
     Without a GPU they go on the ``meta`` device: tensors with a shape and a device but no data, so a tensor the
-    sampler makes without ``device=`` lands on the CPU, and mixing it with the rows raises as on a GPU. Meta checks
-    the devices where most ops do (elementwise ones, torch.where, torch.cat), not in every one (matmul, gather and
-    searchsorted let a CPU tensor through), and it has no values to give: a sampler that reads one on the host
-    (.item(), .tolist(), a Python ``if`` on a tensor) is checked up to that read, and passes there."""
+    sampler makes without ``device=`` lands on the CPU, and mixing it with the rows raises in every op, as on a GPU
+    (:func:`labkit.exercises.meta_device.run_on_meta`). Meta has no values to give: a sampler that reads one on the
+    host (.item(), .tolist(), a Python ``if`` on a tensor) is checked up to that read, and passes there."""
     import torch
 
+    from labkit.exercises.meta_device import META_NOTE, run_on_meta
     from labkit.runtime.sampling import Sampler
 
     params = [setting for setting in SETTINGS for _ in DEVICE_UNIFORMS]
@@ -452,12 +452,7 @@ def _on_device(cls: Any) -> None:
     showing(text.replace("every tensor on meta", "on the CPU, before the same on meta"))
     _draw(cls(), *batch)  # on the CPU first: a stub, or the sampler's own error, is reported as itself
     showing(f"{text}, {META_NOTE}")
-    try:
-        cls().sample_rows(**_rows(*batch, device=device))
-    except RuntimeError as error:  # NotImplementedError too, which meta raises for an op it cannot run without data
-        if isinstance(error, NotImplementedError) or "device" not in str(error).lower():
-            return  # a value read on the host, which meta has not got: up to it, the sampler mixed no devices
-        raise
+    run_on_meta(lambda: cls().sample_rows(**_rows(*batch, device=device)))
 
 
 def _strategy() -> Any:
@@ -498,10 +493,6 @@ def _property(cls: Any, example: Any) -> None:
         raise Mismatch(text, f"token {expected[0]}", f"token {wrong}", hint)
 
 
-META_NOTE = (
-    "torch's device with no data, standing in for a GPU here: a tensor made without device= is on the CPU, and"
-    " mixing it with these raises, as on a GPU"
-)
 DEVICE_HINT = (
     "make every tensor you create on logits.device: torch.arange(vocab, device=logits.device), likewise"
     " torch.full/zeros/tensor(..., device=logits.device), or torch.zeros_like(logits) and logits.new_full(...),"

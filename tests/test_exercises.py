@@ -2793,6 +2793,19 @@ def test_labkit_check_prints_progress_and_json(tmp_path, capsys):
     assert entry["after_notebooks"] == ["03"]
 
 
+def test_labkit_check_json_stays_json_when_the_learners_code_prints(tmp_path, capsys):
+    """A debugging print() in a learner's file went to stdout before the JSON, which no script could read then."""
+    printing = DELEGATING_ALLOCATOR.replace(
+        "        return super().allocate", "        print('allocating')\n        return super().allocate"
+    )
+    (tmp_path / "ex1_block_allocator.py").write_text("print('loaded')\n" + printing)
+    assert main(["check", "1", "--json", "--path", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    [entry] = json.loads(out)
+    assert entry["status"] == "passed"
+    assert err.startswith("loaded\nallocating\n")
+
+
 def test_labkit_check_watch_checks_an_exercise_again_each_time_its_file_is_saved(tmp_path, capsys):
     """The learner saves a wrong solution, then a right one: each save is checked at once; an untouched file is not."""
     from rich.console import Console

@@ -7,6 +7,7 @@ mode does: edit, save, read the feedback, with no command to retype.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -52,7 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.path is not None and not Path(args.path).is_dir():
         parser.error(f"--path {args.path}: no such folder (it holds your exN_*.py files)")
     chosen = sorted((table[n] for n in args.numbers or table), key=lambda e: e.course_position)
-    results = [check_file(exercise, args.path) for exercise in chosen]
+    # With --json, what the learner's code prints goes to stderr: stdout stays one JSON document for the script.
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        results = [check_file(exercise, args.path) for exercise in chosen]
     if args.json:
         entries = [{**r.to_dict(), "after_notebooks": list(e.after)} for e, r in zip(chosen, results, strict=True)]
         print(json.dumps(entries, indent=2))

@@ -2806,6 +2806,33 @@ def test_labkit_check_json_stays_json_when_the_learners_code_prints(tmp_path, ca
     assert err.startswith("loaded\nallocating\n")
 
 
+def test_labkit_check_class_checks_each_learner_apart_into_one_table(tmp_path, capsys):
+    """Learners' code runs in the checking process: one that patches labkit, or ends the process, must not reach
+    the next learner's checks."""
+    learners = {name: tmp_path / "class" / name for name in ("a_patches", "b_crashes", "c_passes")}
+    for folder in [*learners.values(), tmp_path / "class" / ".ipynb_checkpoints"]:
+        folder.mkdir(parents=True)
+    patch = "from labkit.core.blocks import BlockAllocator\n\nBlockAllocator.allocate = None\n"
+    (learners["a_patches"] / "ex2_slot_mapping.py").write_text(patch)
+    (learners["b_crashes"] / "ex1_block_allocator.py").write_text("import os\n\nos._exit(3)\n")
+    (learners["c_passes"] / "ex1_block_allocator.py").write_text(DELEGATING_ALLOCATOR)
+    assert main(["check", "--class", str(tmp_path / "class"), "2", "1", "--json"]) == 1
+    out, err = capsys.readouterr()
+    found = json.loads(out)
+    assert list(found) == list(learners)
+    assert [(e["exercise"], e["status"]) for e in found["a_patches"]] == [(1, "no file"), (2, "failing")]
+    assert found["b_crashes"] == "the check did not finish: exit status 3"
+    assert [(e["exercise"], e["status"]) for e in found["c_passes"]] == [(1, "passed"), (2, "no file")]
+    assert "checking c_passes (3 of 3)" in err
+    assert main(["check", "--class", str(tmp_path / "class"), "1", "2"]) == 1
+    rows = {line.split()[1]: line for line in capsys.readouterr().out.splitlines() if "│" in line}
+    assert [cell.strip() for cell in rows["c_passes"].split("│")[2:5]] == ["✓", "-", "1/2"]
+    assert "exit status 3" in rows["b_crashes"]
+    with pytest.raises(SystemExit):
+        main(["check", "--class", str(learners["c_passes"])])  # a folder of files, not of learners
+    assert "no subfolders" in capsys.readouterr().err
+
+
 def test_labkit_check_watch_checks_an_exercise_again_each_time_its_file_is_saved(tmp_path, capsys):
     """The learner saves a wrong solution, then a right one: each save is checked at once; an untouched file is not."""
     from rich.console import Console

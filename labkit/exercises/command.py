@@ -1,7 +1,8 @@
 """``labkit check``: every exercise's status against the learner's files, as a progress table (or JSON).
 
 ``labkit check --watch`` stays on and checks an exercise again each time its file is saved, as rustlings' watch
-mode does: edit, save, read the feedback, with no command to retype.
+mode does: edit, save, read the feedback, with no command to retype. ``labkit check --class FOLDER`` checks a
+class's work, one learner per subfolder, into one table.
 """
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -22,6 +25,8 @@ from labkit.exercises.framework import find_learner_file
 
 STYLES = {"passed": "green", "failing": "red", "not started": "dim", "no file": "yellow"}
 WATCH_INTERVAL = 0.5  # seconds between looks at the learner's files
+LEARNER_SECONDS = 30 * 60  # the most one learner's checks may take in a class check (each case has 60 s)
+MARKS = {"passed": "✓", "not started": "·", "no file": "-"}  # a failing exercise shows its checks passed
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -43,6 +48,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "-w", "--watch", action="store_true", help="stay on: check an exercise again each time its file is saved"
     )
+    parser.add_argument(
+        "--class",
+        dest="class_folder",
+        metavar="FOLDER",
+        help="a class's work, one subfolder per learner (their files or checkout): one table, a row per learner",
+    )
     args = parser.parse_args(argv)
     table = exercises()
     unknown = sorted(set(args.numbers) - set(table))
@@ -53,6 +64,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.path is not None and not Path(args.path).is_dir():
         parser.error(f"--path {args.path}: no such folder (it holds your exN_*.py files)")
     chosen = sorted((table[n] for n in args.numbers or table), key=lambda e: e.course_position)
+    if args.class_folder is not None:
+        if args.path is not None or args.watch:
+            parser.error("--class checks each subfolder of its folder: it takes no --path, and runs once (no --watch)")
+        learners = _learner_folders(Path(args.class_folder))
+        if not learners:
+            parser.error(
+                f"--class {args.class_folder}: no subfolders (put each learner's files in a folder of its own)"
+            )
+        found = check_class(learners, [e.number for e in chosen])
+        if args.json:
+            print(json.dumps(found, indent=2))
+        else:
+            show_class(chosen, found, Console())
+        return 0 if all(isinstance(r, list) and all(e["status"] == "passed" for e in r) for r in found.values()) else 1
     # With --json, what the learner's code prints goes to stderr: stdout stays one JSON document for the script.
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
         results = [check_file(exercise, args.path) for exercise in chosen]
@@ -98,6 +123,61 @@ def show_progress(
             f" Its feedback: labkit check {following.number}",
             highlight=False,
         )
+
+
+def _learner_folders(folder: Path) -> list[Path]:
+    """The subfolders of a class's folder, by name; hidden ones (.git, .ipynb_checkpoints) are not learners."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def check_class(learners: Sequence[Path], numbers: Sequence[int]) -> dict[str, list[dict[str, Any]] | str]:
+    """Each learner's folder checked by ``labkit check --json`` in a process of its own, by folder name: the
+    learner's JSON entries, or why their check did not finish.
+
+    The checks run the learner's code in the checking process, so one learner's code must not reach another's
+    checks: a patched labkit class, a module left in ``sys.modules``, a crash or an endless loop outside the
+    checks' own time limit (stopped after LEARNER_SECONDS).
+    """
+    found: dict[str, list[dict[str, Any]] | str] = {}
+    for index, folder in enumerate(learners, start=1):
+        print(f"checking {folder.name} ({index} of {len(learners)})", file=sys.stderr, flush=True)
+        command = [sys.executable, "-m", "labkit.exercises.command", "--json", "--path", str(folder)]
+        try:
+            done = subprocess.run(
+                [*command, *map(str, numbers)], capture_output=True, text=True, timeout=LEARNER_SECONDS
+            )
+        except subprocess.TimeoutExpired:
+            found[folder.name] = f"stopped after {LEARNER_SECONDS} s"
+            continue
+        try:
+            found[folder.name] = json.loads(done.stdout)
+        except json.JSONDecodeError:
+            last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+            found[folder.name] = f"the check did not finish: {last}"
+    return found
+
+
+def show_class(chosen: list[Exercise], found: dict[str, list[dict[str, Any]] | str], console: Console) -> None:
+    """A row per learner, a column per exercise in course order: ✓ passed, the checks passed where failing,
+    · not started, - no file."""
+    view = Table(title="labkit exercises of a class, in course order")
+    view.add_column("learner")
+    for exercise in chosen:
+        view.add_column(str(exercise.number), justify="center")
+    view.add_column("passed", justify="right")
+    for learner, entries in found.items():
+        if isinstance(entries, str):
+            view.add_row(learner, *[""] * len(chosen), f"[red]{entries}[/red]")
+            continue
+        marks = []
+        for entry in entries:
+            style, mark = STYLES[entry["status"]], MARKS.get(entry["status"], f"{entry['passed']}/{entry['cases']}")
+            marks.append(f"[{style}]{mark}[/{style}]")
+        view.add_row(learner, *marks, f"{sum(e['status'] == 'passed' for e in entries)}/{len(entries)}")
+    console.print(view)
+    console.print("✓: passed, n/m: checks passed so far, ·: not started (the stub), -: no file", highlight=False)
 
 
 def watch(

@@ -29,6 +29,11 @@ class RequestState(str, Enum):
     DECODING = "decoding"
     FINISHED = "finished"
 
+    def __str__(self) -> str:
+        """``RequestState.DECODING`` in an f-string on every Python, as it is written in code: Python 3.10 formats a
+        str enum as its value ("decoding")."""
+        return f"{type(self).__name__}.{self.name}"
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -386,6 +386,7 @@ def test_main_sweeps_rates_and_writes_html(tmp_path, capsys):
 @pytest.mark.parametrize("full", ["--json", "--html"])
 def test_an_output_file_that_cannot_be_written_is_said_in_a_line_and_the_other_is_still_written(tmp_path, capsys, full):
     """/dev/full passes the checks before the runs (it exists and is writable) and fails only when written to."""
+    pytest.importorskip("plotly")  # the HTML report's
     other = "--html" if full == "--json" else "--json"
     path = tmp_path / f"bench.{other[2:]}"
     assert main(["--num-requests", "2", "--no-progress", full, "/dev/full", other, str(path)]) == 1

@@ -139,9 +139,12 @@ def failing(number, implementation):
 
 
 def only_failure(number, implementation, case):
-    """The message of ``case``, after checking that it is the one case ``implementation`` fails."""
-    _, messages = failing(number, implementation)
-    assert list(messages) == [case]
+    """The message of ``case``, after checking that it is the one case ``implementation`` fails, besides the random
+    cases: hypothesis draws their examples differently from one release to the next, and some draws show the mistake.
+    """
+    result, messages = failing(number, implementation)
+    drawn = {f.case for f in result.failures if f.input.endswith("(the smallest counterexample hypothesis found)")}
+    assert [name for name in messages if name == case or name not in drawn] == [case]
     return messages[case]
 
 

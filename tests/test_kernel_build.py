@@ -137,6 +137,12 @@ def name_of(b: dict[str, Any]) -> str:
 @pytest.fixture(scope="module")
 def builds() -> list[dict[str, Any]]:
     pytest.importorskip("triton")
+    from packaging.version import Version
+
+    from labkit.runtime.runner import MIN_TRITON, triton_version
+
+    if Version(triton_version()).release < MIN_TRITON:  # e.g. the one that torch 2.6 pins
+        pytest.skip(f"labkit's kernels need triton>={'.'.join(map(str, MIN_TRITON))}, this is {triton_version()}")
     try:
         from triton.backends import backends
     except ImportError:

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Runs the tests that need no widget libraries under the lowest releases pyproject.toml allows: torch 2.6,
+# transformers 5.15 and the lowest tokenizers, safetensors, huggingface-hub, numpy, packaging, tqdm, rich and
+# hypothesis that install with them, in a separate venv, on a CPU. Then benchmarks/gpu_check.py --device cpu
+# --quick and labkit demo. This is how the lower bounds are kept true; it is not part of CI (torch 2.6 from the
+# package index is a CUDA build of several GB). psutil is added as on a GPU image: transformers before 5.21
+# sizes its continuous-batching cache on a CPU from it, and without it that baseline refuses to start.
+#
+#   tests/compat/run_lowest_pins.sh          # venv in $LOWEST_PINS_VENV (default: a folder under the temp dir)
+#   tests/compat/run_lowest_pins.sh -x       # extra arguments go to pytest
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+venv="${LOWEST_PINS_VENV:-${TMPDIR:-/tmp}/labkit-lowest-pins}"
+if [ ! -x "$venv/bin/python" ]; then
+  "${PYTHON311:-python3.11}" -m venv "$venv"  # 3.10 or 3.11: numpy 1.24 has no wheels for a later Python
+fi
+# tokenizers 0.22.0 wants huggingface-hub < 1 and transformers 5.15 >= 1.5; huggingface-hub wants packaging >= 20.9.
+"$venv/bin/python" -m pip install -q --disable-pip-version-check torch==2.6.0 transformers==5.15.0 \
+  tokenizers==0.22.1 safetensors==0.8.0 huggingface-hub==1.5.0 numpy==1.24.4 packaging==20.9 tqdm==4.66.0 \
+  rich==13.0.0 hypothesis==6.100.0 psutil pytest pytest-xdist
+"$venv/bin/python" -c "import torch, transformers, numpy; print(torch.__version__, transformers.__version__, numpy.__version__)"
+
+cd "$root"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+# Not here: the widgets, the HTML report and the notebooks (they need plotly, ipywidgets, nbformat).
+"$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 tests --ignore=tests/browser --ignore=tests/test_course.py \
+  --ignore=tests/test_viz.py --ignore=tests/test_viz_properties.py --ignore=tests/test_readme.py --ignore=tests/test_new_users.py \
+  --deselect tests/test_bench.py::test_a_failed_mode_is_reported_and_the_others_kept \
+  --deselect tests/test_bench.py::test_main_sweeps_rates_and_writes_html \
+  --deselect tests/test_bench.py::test_report_from_saved_json \
+  --deselect tests/test_prefix_cache.py::test_the_block_map_shows_shared_blocks_with_their_owners_and_reusable_blocks \
+  "$@"
+"$venv/bin/python" benchmarks/gpu_check.py --device cpu --quick --out "${TMPDIR:-/tmp}/labkit-lowest-pins-check.json"
+"$venv/bin/python" -m labkit.cli demo --steps 5

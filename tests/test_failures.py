@@ -432,6 +432,10 @@ def test_an_interrupt_during_generate_leaves_no_request_and_no_block(model, poli
     assert [o.output_token_ids for o in again] == [o.output_token_ids for o in expected]
     assert set(reports[0].finished.values()) == {"abort"}
     assert len(reports[0].finished) == len(prompts)  # all were unfinished at step 3
+    # ... in a step of their own, before the new call's first: its reports are about its own requests only.
+    assert not reports[0].scheduled and reports[0].num_free_blocks == engine.num_blocks
+    ids = {o.request_id for o in again}
+    assert all(set(r.finished) <= ids and {c.request_id for c in r.scheduled} <= ids for r in reports[1:])
     assert engine.num_free_blocks == engine.num_blocks and engine.requests == {}
 
 

@@ -147,6 +147,33 @@ def test_a_run_that_fails_midway_aborts_its_requests_and_closes_its_progress_bar
     assert report.finished == {0: "abort"} and not e.has_unfinished()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_run_after_one_cut_short_reports_its_own_requests_only(async_scheduling):
+    """A Ctrl-C in a notebook cell, then the cell again: the aborts of the first run went into the second run's first
+    report, among requests that run had never seen (a notebook that kept each request's admission step failed)."""
+    e = Engine(SimulatedModel(max_model_len=64), EngineConfig(async_scheduling=async_scheduling))
+    workload = [WorkloadRequest([5] * 8, 6, 0.0) for _ in range(3)]
+    seen = []
+
+    def interrupt_at_step_3(report):
+        seen.append(report)
+        if report.step == 3:
+            raise KeyboardInterrupt
+
+    e.step_listeners.append(interrupt_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        run_workload(e, workload)
+    e.step_listeners[:] = [seen.append]
+    first = {id for report in seen for id in report.finished} | {c.request_id for r in seen for c in r.scheduled}
+    run = run_workload(e, workload)
+    ids = {o.request_id for o in run.outputs}
+    assert not ids & first
+    assert all(set(r.finished) <= ids and {c.request_id for c in r.scheduled} <= ids for r in run.reports)
+    aborted = {id for report in seen for id, reason in report.finished.items() if reason == "abort"}
+    assert aborted == first, "every request of the run cut short is reported aborted, before the new run"
+    assert e.num_free_blocks == e.num_blocks and not e.has_unfinished()
+
+
 def test_bad_workloads():
     with pytest.raises(ValueError, match="workload is empty"):
         run_workload(engine(), [])

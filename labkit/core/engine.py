@@ -250,6 +250,17 @@ class Engine:
         """
         self._aborted.append(self.scheduler.abort(_request_id(request_id), self.clock()))
 
+    def report_aborts(self) -> list[StepReport]:
+        """Report the ends of requests aborted since the last step now, in steps of their own, when nothing else
+        is left to run (with async scheduling, the steps launched for them finish too); else they go with the
+        next step's report. ``generate`` and the online driver call it first, so that a run's reports hold its
+        own requests, not those of a run cut short before it (a Ctrl-C in a notebook cell, then the cell again).
+        """
+        reports = []
+        while (self._aborted or self._ahead) and not self.scheduler.has_unfinished():
+            reports.append(self.step())
+        return reports
+
     def release(self, request_id: int) -> RequestOutput:
         """Return a finished request's output and forget it.
 
@@ -469,6 +480,7 @@ class Engine:
             raise TypeError(f"params must be a SamplingParams or a list of them, got {type(params).__name__}")
         elif len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        self.report_aborts()
         ids: list[int] = []
         try:
             for prompt, p in zip(prompts, params, strict=True):

@@ -33,7 +33,8 @@ def run_workload(
     early. With every arrival at 0 this is an offline run. Every request is checked before the first
     one is served, so a bad one (e.g. too long for the model) is refused, named by its place in the
     workload, before anything runs. If anything raises while they run, the requests already added are
-    aborted (the engine's next StepReport lists them) and the error is raised.
+    aborted and the error is raised; the engine's next StepReport lists them, or, where the engine serves
+    nothing else, a step of their own before the next run's first (``Engine.report_aborts``).
     """
     if isinstance(workload, (str, bytes)) or not isinstance(workload, Sequence):
         raise TypeError(f"workload must be a list of WorkloadRequest, got {type(workload).__name__}")
@@ -47,6 +48,7 @@ def run_workload(
         except (TypeError, ValueError) as error:
             kind = TypeError if isinstance(error, TypeError) else ValueError
             raise kind(f"workload request {index}: {error}") from None
+    engine.report_aborts()  # an earlier run cut short: its ends are reported before this run, not in it
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival_time)
     start = engine.clock()
     ids: dict[int, int] = {}  # workload index -> request id

@@ -369,10 +369,80 @@ def test_other_sizes_name_notebooks_and_their_parameters() -> None:
             assert name in defaults and value != defaults[name], f"{stem}: {name}={value!r} is not another value"
 
 
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+
+
+def _names_bound(tree: ast.AST) -> set[str]:
+    """The names a cell binds in the notebook's namespace: at top level and inside its if, for, while, with, try
+    and match statements (``if rates == "auto": rates = ...`` overwrites a parameter too), by assignment, a for
+    or with target, an import, an except name, a def or class, a match capture or a walrus. A function's or
+    class's own names are its own, unless the function declares them ``global``; a comprehension's loop variables
+    are the comprehension's."""
+    names: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            declared = {name for n in ast.walk(node) if isinstance(n, ast.Global) for name in n.names}
+            names.update(declared & _names_stored(node))
+        if isinstance(node, _SCOPES):
+            return
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            names.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and node.name:
+            names.add(node.name)
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            names.add(node.rest)
+        elif isinstance(node, ast.NamedExpr):
+            names.add(node.target.id)
+        for child in ast.iter_child_nodes(node):
+            if isinstance(node, ast.comprehension) and child is node.target:
+                continue  # the comprehension's own variable
+            visit(child)
+
+    visit(tree)
+    return names
+
+
+def _names_stored(function: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del))}
+
+
+def test_names_bound_finds_nested_assignments() -> None:
+    """The check below sees an assignment at any depth of a cell's statements, and none local to a function."""
+    cell = """
+if rates == "auto":
+    rates = [1.0]
+for _ in range(2):
+    with open(__file__) as handle:
+        try:
+            targets = "ttft<=1s"
+        except OSError as seed:
+            pass
+while False:
+    block_size += 1
+if (num_requests := 3) > 2:
+    pass
+def helper():
+    global device
+    device = "cpu"
+    model_name = "local only"
+squares = [threads * threads for threads in range(3)]
+"""
+    bound = _names_bound(ast.parse(cell))
+    assert {"rates", "targets", "handle", "seed", "block_size", "num_requests", "device", "helper"} <= bound
+    assert not {"model_name", "threads"} & bound
+
+
 @pytest.mark.parametrize("path", ALL, ids=_ids(ALL))
 def test_no_cell_overwrites_a_parameter(path: Path) -> None:
-    """A parameter is set in its cell alone: a later cell that assigns the name at top level would undo what a
-    learner, or the papermill run with other values, chose (a demo's block size of 4 once ran the engine too)."""
+    """A parameter is set in its cell alone: a later cell that assigns the name, at top level or inside an if, a
+    loop, a with or a try, would undo what a learner, or the papermill run with other values, chose (a demo's
+    block size of 4 once ran the engine too), and a cell that replaces an "auto" parameter with what it measured
+    would keep that value when it runs again."""
     nb = _read(path)
     names = set(_parameters(nb))
     for index, cell in enumerate(nb.cells):
@@ -380,15 +450,8 @@ def test_no_cell_overwrites_a_parameter(path: Path) -> None:
             continue
         lines = cell.source.splitlines()  # a shell or magic line (the install cell's !pip) parsed as a pass
         code = "\n".join(re.sub(r"^(\s*)[%!].*", r"\1pass", line) for line in lines)
-        for node in ast.parse(code).body:
-            targets = {
-                ast.Assign: lambda n: n.targets,
-                ast.AnnAssign: lambda n: [n.target],
-                ast.AugAssign: lambda n: [n.target],
-                ast.For: lambda n: [n.target],
-            }.get(type(node), lambda n: [])(node)
-            assigned = {name.id for target in targets for name in ast.walk(target) if isinstance(name, ast.Name)}
-            assert not assigned & names, f"cell {index} assigns the parameter(s) {sorted(assigned & names)}"
+        assigned = _names_bound(ast.parse(code))
+        assert not assigned & names, f"cell {index} assigns the parameter(s) {sorted(assigned & names)}"
 
 
 @pytest.mark.notebooks

@@ -16,6 +16,7 @@ import re
 import signal
 import struct
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -2650,6 +2651,27 @@ def test_a_case_that_runs_too_long_is_stopped_and_the_cases_after_it_are_not_run
     assert result.num_passed == 0 and result.status == "failing"
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # no alarm left set after the check
     assert signal.getsignal(signal.SIGALRM) is signal.SIG_DFL
+
+
+def test_a_check_stopped_by_the_learner_shows_where_their_code_was():
+    """A learner whose check seems to hang presses stop: a bare KeyboardInterrupt through labkit's frames hid the
+    line their loop was on, and left the notebook's ``result`` undefined for the cells after it."""
+
+    def endless(segments, block_size, scratch_slot):
+        while True:
+            pass
+
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        result = check(2, endless, quiet=True)
+    finally:
+        timer.cancel()
+    first, *rest = result.failures
+    assert first.kind == "stopped" and "you stopped the check" in first.got
+    assert "in endless" in first.traceback and "while True" in first.traceback
+    assert len(rest) == result.num_cases - 1 and all(f.got == "not run: a check before it was stopped" for f in rest)
+    assert result.status == "failing" and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
 
 def test_check_prints_feedback_and_imports_the_file_afresh(tmp_path, capsys):

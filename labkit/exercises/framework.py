@@ -148,7 +148,7 @@ class Exercise:
 @dataclass
 class Failure:
     """One failing case, in words. ``kind`` is "mismatch", "error" (the code raised), "out of time" (it ran past
-    CASE_SECONDS) or "not started"."""
+    CASE_SECONDS), "stopped" (a Ctrl-C, or a notebook's stop button, while it ran) or "not started"."""
 
     case: str
     kind: str
@@ -274,12 +274,15 @@ def run_case(case: Case, implementation: Any, *, verbose: bool = False) -> Failu
     try:
         with time_limit(CASE_SECONDS):
             case.run(implementation)
-    except OutOfTime as stopped:
-        got = f"your code was still running after {CASE_SECONDS:.0f} s, and was stopped"
+    except (OutOfTime, KeyboardInterrupt) as stopped:
+        if isinstance(stopped, OutOfTime):
+            kind, got = "out of time", f"your code was still running after {CASE_SECONDS:.0f} s, and was stopped"
+        else:  # the learner stopped a check that seemed to hang: where it was is what they need to see
+            kind, got = "stopped", "you stopped the check (Ctrl-C, or the notebook's stop button) while this case ran"
         hint = "a loop that never ends? Look for a while loop whose condition nothing in it changes"
         where = learner_frames(stopped)  # the line it was running when stopped
         shown = _clip(_current_input[0], 2 * MAX_SHOWN)
-        return Failure(case.name, "out of time", shown, got=got, hint=hint, traceback=where)
+        return Failure(case.name, kind, shown, got=got, hint=hint, traceback=where)
     except NotImplementedError as error:
         return Failure(case.name, "not started", got=_not_started(error))
     except Mismatch as mismatch:
@@ -335,13 +338,15 @@ def run_exercise(
 ) -> CheckResult:
     chosen = [c for c in exercise.cases if cases is None or c.name in cases]
     result = CheckResult(exercise.number, exercise.title, source, len(chosen), implementation=implementation)
-    stopped = False  # a case ran out of time: the cases after it would each wait as long, so they are not run
+    # A case ran out of time, or the learner stopped it: the cases after it are not run (each would wait as long).
+    stopped_by = None
     for case in chosen:
-        if stopped:
-            failure: Failure | None = Failure(case.name, "error", got="not run: a check before it ran out of time")
+        if stopped_by is not None:
+            failure: Failure | None = Failure(case.name, "error", got=f"not run: a check before it {stopped_by}")
         else:
             failure = run_case(case, implementation, verbose=verbose)
-            stopped = failure is not None and failure.kind == "out of time"
+            if failure is not None and failure.kind in ("out of time", "stopped"):
+                stopped_by = "ran out of time" if failure.kind == "out of time" else "was stopped"
         if failure is not None:
             result.failures.append(failure)
     return result

@@ -19,12 +19,5 @@ fi
 
 cd "$root"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-# Not here: the widgets, the HTML report and the notebooks (they need plotly, ipywidgets, nbformat).
-"$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 tests --ignore=tests/browser --ignore=tests/test_course.py \
-  --ignore=tests/test_viz.py --ignore=tests/test_viz_properties.py --ignore=tests/test_readme.py --ignore=tests/test_new_users.py \
-  --deselect tests/test_bench.py::test_a_failed_mode_is_reported_and_the_others_kept \
-  --deselect tests/test_bench.py::test_main_sweeps_rates_and_writes_html \
-  --deselect tests/test_bench.py::test_report_from_saved_json \
-  --deselect tests/test_prefix_cache.py::test_the_block_map_shows_shared_blocks_with_their_owners_and_reusable_blocks \
-  "$@"
-"$venv/bin/python" benchmarks/gpu_check.py --device cpu --quick --out "${TMPDIR:-/tmp}/labkit-gpu-pins-check.json"
+source tests/compat/no_widget_tests.sh
+run_tests_without_widgets "$venv/bin/python" "${TMPDIR:-/tmp}/labkit-gpu-pins-check.json" "$@"

@@ -27,6 +27,9 @@ def test_exercise(number: int, name: str) -> None:
         pytest.fail(error, pytrace=False)
     case = next(c for c in exercise.cases if c.name == name)
     failure = run_case(case, implementation)
+    if failure is not None and failure.kind == "stopped":  # a Ctrl-C: say where the code was, then stop the run
+        print(failure.message())
+        raise KeyboardInterrupt
     if failure is not None:
         where = f"; fill in exercises/{exercise.filename}" if failure.kind == "not started" else ""
         pytest.fail(failure.message() + where, pytrace=False)

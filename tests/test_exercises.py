@@ -18,6 +18,7 @@ import struct
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -2012,14 +2013,38 @@ def test_the_meta_device_check_lets_through_what_a_gpu_takes():
         rows = torch.empty(4, 8, device="meta")
         rows = rows[torch.arange(2)] * torch.tensor(2.0)
         rows[torch.tensor([0])] = 1.0
+        rows[torch.tensor([1])] = torch.tensor(2.0)
+        rows = rows.masked_fill(rows > 0, torch.tensor(0.0))  # meta itself refuses a CPU scalar here; CUDA takes it
         return rows.expand_as(torch.empty(2, 8)) + torch.empty(2, 8).to("meta")
 
     assert run_on_meta(fine).shape == (2, 8)
     assert run_on_meta(lambda: torch.empty(3, device="meta").sum().item()) is None
-    with pytest.raises(RuntimeError, match="meta and cpu"):
-        run_on_meta(lambda: torch.empty(2, 3, device="meta") @ torch.ones(3, 2))
-    with pytest.raises(RuntimeError, match="meta and cpu"):
-        run_on_meta(lambda: torch.searchsorted(torch.empty(2, 3, device="meta"), torch.zeros(2, 1)))
+    meta = torch.empty(2, 3, device="meta")
+    on_a_gpu_these_raise = {
+        "matmul": lambda: meta @ torch.ones(3, 2),
+        "searchsorted": lambda: torch.searchsorted(meta, torch.zeros(2, 1)),
+        "a CPU tensor indexed on the device": lambda: torch.arange(5)[torch.zeros(2, dtype=torch.long, device="meta")],
+        "CPU values written in": lambda: meta.__setitem__(torch.tensor([0]), torch.zeros(1, 3)),
+        "CPU values put in": lambda: meta.index_put_((torch.tensor([0]),), torch.zeros(1, 3)),
+    }
+    for what, call in on_a_gpu_these_raise.items():
+        with pytest.raises(RuntimeError, match="meta and cpu"):
+            run_on_meta(call)
+            pytest.fail(what)
+
+
+def test_the_first_meta_check_imports_with_a_ctrl_c_held(monkeypatch):
+    """The first op on meta imports much of torch: a Ctrl-C landing there left it half-imported, failing every later
+    check in the kernel. The warm-up holds it, and delivers it once the import is whole."""
+    from labkit.exercises import meta_device
+
+    def slow_import():
+        os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C while the warm-up runs
+        time.sleep(0.05)
+
+    monkeypatch.setattr(meta_device.torch, "where", lambda *args, real=torch.where: slow_import() or real(*args))
+    with pytest.raises(KeyboardInterrupt):
+        meta_device.run_on_meta(lambda: pytest.fail("the learner's code ran before the held Ctrl-C was delivered"))
 
 
 @pytest.mark.parametrize(
@@ -2674,6 +2699,62 @@ def test_a_check_stopped_by_the_learner_shows_where_their_code_was():
     assert result.status == "failing" and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
 
+ENDLESS_SLOT_MAPPING = "def slot_mapping(segments, block_size, scratch_slot):\n    while True:\n        pass\n"
+ENDLESS_ATTENTION = "def paged_attention(q, k, v, table, context_len, scale):\n    while True:\n        pass\n"
+
+
+def test_a_ctrl_c_stops_labkit_check_after_the_exercise_it_stopped(tmp_path, capsys):
+    """One Ctrl-C per exercise was needed to stop labkit check: it went on to the next exercise's cases."""
+    (tmp_path / "ex2_slot_mapping.py").write_text(ENDLESS_SLOT_MAPPING)
+    (tmp_path / "ex5_paged_attention.py").write_text(ENDLESS_ATTENTION)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        assert main(["check", "2", "5", "--path", str(tmp_path)]) == 130
+    finally:
+        timer.cancel()
+    out = capsys.readouterr().out
+    assert "Stopped: the exercises after it were not checked." in out
+    rows = [line.split()[1] for line in out.splitlines() if re.match(r"│ \d │", line)]
+    assert rows == ["2"] and "you stopped the check" in out and "while True" in out
+
+
+def test_a_ctrl_c_stops_the_learners_pytest_run(monkeypatch, capsys):
+    """pytest -m exN exercises/: a stopped case became one failed test, and pytest went on to the next case."""
+    sys.path.insert(0, str(STUBS))
+    try:
+        with warnings.catch_warnings():  # its exN marks are registered by exercises/conftest.py, not loaded here
+            warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
+            import test_my_exercises
+    finally:
+        sys.path.remove(str(STUBS))
+    stopped = framework.Failure("a case", "stopped", got="you stopped the check", traceback="  line 3, in mine")
+    monkeypatch.setattr(test_my_exercises, "run_case", lambda case, implementation: stopped)
+    monkeypatch.setattr(test_my_exercises, "load_implementation", lambda exercise: (object(), "", ""))
+    with pytest.raises(KeyboardInterrupt):
+        test_my_exercises.test_exercise(2, get(2).cases[0].name)
+    assert "you stopped the check" in capsys.readouterr().out
+
+
+def test_a_learners_file_that_never_finishes_loading_is_stopped(tmp_path, monkeypatch):
+    """A loop at a file's top level hung labkit check for good, and a class check for half an hour a learner."""
+    monkeypatch.setattr(framework, "CASE_SECONDS", 0.5)
+    (tmp_path / "ex2_slot_mapping.py").write_text("while True:\n    pass\n")
+    _, _, error = load_implementation(get(2), tmp_path)
+    assert error.startswith("your file was still loading after") and "while True" in error
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_labkit_check_json_stays_json_when_a_learners_subprocess_prints(tmp_path, capfd):
+    """os.system() writes to the process's stdout itself, past sys.stdout."""
+    (tmp_path / "ex1_block_allocator.py").write_text(
+        "import os\n\nos.system('echo from a shell')\n" + DELEGATING_ALLOCATOR
+    )
+    assert main(["check", "1", "--json", "--path", str(tmp_path)]) == 0
+    out, err = capfd.readouterr()
+    assert json.loads(out)[0]["status"] == "passed" and "from a shell" in err
+
+
 def test_check_prints_feedback_and_imports_the_file_afresh(tmp_path, capsys):
     file = tmp_path / "ex2_slot_mapping.py"
     file.write_text("def slot_mapping(segments, block_size, scratch_slot):\n    return []\n")
@@ -2841,18 +2922,26 @@ def test_labkit_check_class_checks_each_learner_apart_into_one_table(tmp_path, c
     (learners["a_patches"] / "ex2_slot_mapping.py").write_text(patch)
     (learners["b_crashes"] / "ex1_block_allocator.py").write_text("import os\n\nos._exit(3)\n")
     (learners["c_passes"] / "ex1_block_allocator.py").write_text(DELEGATING_ALLOCATOR)
+    marked_up = tmp_path / "class" / "[draft] d"  # a name, and an error, that rich would read as markup
+    marked_up.mkdir()
+    (marked_up / "ex1_block_allocator.py").write_text(
+        "import os\nimport sys\n\nprint('saving to [/tmp/out]', file=sys.stderr, flush=True)\nos._exit(4)\n"
+    )
     assert main(["check", "--class", str(tmp_path / "class"), "2", "1", "--json"]) == 1
     out, err = capsys.readouterr()
     found = json.loads(out)
-    assert list(found) == list(learners)
+    assert list(found) == ["[draft] d", *learners]
+    assert found["[draft] d"] == "the check did not finish (exit status 4): saving to [/tmp/out]"
     assert [(e["exercise"], e["status"]) for e in found["a_patches"]] == [(1, "no file"), (2, "failing")]
-    assert found["b_crashes"] == "the check did not finish: exit status 3"
+    assert found["b_crashes"] == "the check did not finish (exit status 3)"
     assert [(e["exercise"], e["status"]) for e in found["c_passes"]] == [(1, "passed"), (2, "no file")]
-    assert "checking c_passes (3 of 3)" in err
+    assert "checking c_passes (4 of 4)" in err
     assert main(["check", "--class", str(tmp_path / "class"), "1", "2"]) == 1
-    rows = {line.split()[1]: line for line in capsys.readouterr().out.splitlines() if "│" in line}
+    out = capsys.readouterr().out
+    rows = {line.split()[1]: line for line in out.splitlines() if "│" in line}
     assert [cell.strip() for cell in rows["c_passes"].split("│")[2:5]] == ["✓", "-", "1/2"]
     assert "exit status 3" in rows["b_crashes"]
+    assert "│ [draft] d │" in out and "[/tmp/out]" in out
     with pytest.raises(SystemExit):
         main(["check", "--class", str(learners["c_passes"])])  # a folder of files, not of learners
     assert "no subfolders" in capsys.readouterr().err

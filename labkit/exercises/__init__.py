@@ -21,6 +21,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
+from labkit.exercises import framework
 from labkit.exercises.framework import (
     LABKIT_DIR,
     Case,
@@ -139,7 +140,13 @@ def load_implementation(exercise: Exercise, path: str | os.PathLike[str] | None 
         )
         return None, where, error
     try:
-        implementation = load_learner(exercise, file)
+        with framework.time_limit(framework.CASE_SECONDS):  # a loop at the file's top level would hang the check
+            implementation = load_learner(exercise, file)
+    except framework.OutOfTime as stopped:
+        where = learner_frames(stopped)
+        seconds = framework.CASE_SECONDS
+        error = f"your file was still loading after {seconds:.0f} s, and was stopped: a loop at its top level?"
+        return None, display_path(file), error + (f"\n{where}" if where else "")
     except (Exception, SystemExit) as error:  # a syntax error, a missing name, a sys.exit() in the learner's file
         where = learner_frames(error)
         return (

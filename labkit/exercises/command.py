@@ -10,14 +10,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from labkit.exercises import CheckResult, Exercise, check_file, exercises
@@ -79,15 +81,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             show_class(chosen, found, Console())
         return 0 if all(isinstance(r, list) and all(e["status"] == "passed" for e in r) for r in found.values()) else 1
     # With --json, what the learner's code prints goes to stderr: stdout stays one JSON document for the script.
-    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-        results = [check_file(exercise, args.path) for exercise in chosen]
+    results = []
+    with _stdout_to_stderr() if args.json else contextlib.nullcontext():
+        for exercise in chosen:
+            results.append(check_file(exercise, args.path))
+            if _stopped(results[-1]) and not args.watch:  # a Ctrl-C: the exercises checked so far, then no more
+                break
+    stopped = len(results) < len(chosen)
+    chosen = chosen[: len(results)]
     if args.json:
         entries = [{**r.to_dict(), "after_notebooks": list(e.after)} for e, r in zip(chosen, results, strict=True)]
         print(json.dumps(entries, indent=2))
-        return 0 if all(r.passed for r in results) else 1
+        return 130 if stopped else 0 if all(r.passed for r in results) else 1
     console = Console()
-    # One exercise named: the learner is working on it, so its feedback is what they came for.
-    show_progress(chosen, results, console, verbose=args.verbose or len(args.numbers) == 1, path=args.path)
+    # One exercise named: the learner is working on it, so its feedback is what they came for; likewise after a Ctrl-C.
+    verbose = args.verbose or len(args.numbers) == 1 or stopped
+    show_progress(chosen, results, console, verbose=verbose, path=args.path)
+    if stopped:
+        console.print("Stopped: the exercises after it were not checked.")
+        return 130
     if args.watch:
         results = watch(chosen, results, args.path, console)
     return 0 if all(r.passed for r in results) else 1
@@ -125,6 +137,26 @@ def show_progress(
         )
 
 
+def _stopped(result: CheckResult) -> bool:
+    return any(failure.kind == "stopped" for failure in result.failures)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send what is written to stdout to stderr meanwhile, at the file descriptor too, so that a learner's thread or
+    subprocess (os.system) that prints cannot break the JSON printed afterwards."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _learner_folders(folder: Path) -> list[Path]:
     """The subfolders of a class's folder, by name; hidden ones (.git, .ipynb_checkpoints) are not learners."""
     if not folder.is_dir():
@@ -154,8 +186,10 @@ def check_class(learners: Sequence[Path], numbers: Sequence[int]) -> dict[str, l
         try:
             found[folder.name] = json.loads(done.stdout)
         except json.JSONDecodeError:
-            last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-            found[folder.name] = f"the check did not finish: {last}"
+            last = (done.stderr.strip().splitlines() or [""])[-1]
+            found[folder.name] = f"the check did not finish (exit status {done.returncode})" + (
+                f": {last}" if last else ""
+            )
     return found
 
 
@@ -168,14 +202,14 @@ def show_class(chosen: list[Exercise], found: dict[str, list[dict[str, Any]] | s
         view.add_column(str(exercise.number), justify="center")
     view.add_column("passed", justify="right")
     for learner, entries in found.items():
-        if isinstance(entries, str):
-            view.add_row(learner, *[""] * len(chosen), f"[red]{entries}[/red]")
+        if isinstance(entries, str):  # the learner's names and texts are not rich markup
+            view.add_row(escape(learner), *[""] * len(chosen), f"[red]{escape(entries)}[/red]")
             continue
         marks = []
         for entry in entries:
             style, mark = STYLES[entry["status"]], MARKS.get(entry["status"], f"{entry['passed']}/{entry['cases']}")
             marks.append(f"[{style}]{mark}[/{style}]")
-        view.add_row(learner, *marks, f"{sum(e['status'] == 'passed' for e in entries)}/{len(entries)}")
+        view.add_row(escape(learner), *marks, f"{sum(e['status'] == 'passed' for e in entries)}/{len(entries)}")
     console.print(view)
     console.print("✓: passed, n/m: checks passed so far, ·: not started (the stub), -: no file", highlight=False)
 

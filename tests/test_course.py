@@ -437,6 +437,11 @@ squares = [threads * threads for threads in range(3)]
     assert not {"model_name", "threads"} & bound
 
 
+def _python(source: str) -> str:
+    """A cell's source as Python: a shell or magic line (the install cell's %pip) becomes a pass."""
+    return "\n".join(re.sub(r"^(\s*)[%!].*", r"\1pass", line) for line in source.splitlines())
+
+
 @pytest.mark.parametrize("path", ALL, ids=_ids(ALL))
 def test_no_cell_overwrites_a_parameter(path: Path) -> None:
     """A parameter is set in its cell alone: a later cell that assigns the name, at top level or inside an if, a
@@ -448,10 +453,20 @@ def test_no_cell_overwrites_a_parameter(path: Path) -> None:
     for index, cell in enumerate(nb.cells):
         if cell.cell_type != "code" or "parameters" in cell.metadata.get("tags", []):
             continue
-        lines = cell.source.splitlines()  # a shell or magic line (the install cell's !pip) parsed as a pass
-        code = "\n".join(re.sub(r"^(\s*)[%!].*", r"\1pass", line) for line in lines)
-        assigned = _names_bound(ast.parse(code))
+        assigned = _names_bound(ast.parse(_python(cell.source)))
         assert not assigned & names, f"cell {index} assigns the parameter(s) {sorted(assigned & names)}"
+
+
+@pytest.mark.parametrize("path", ALL, ids=_ids(ALL))
+def test_no_cell_names_the_kv_cache_argument_of_one_transformers_release(path: Path) -> None:
+    """transformers 5.24 renamed the forward pass's past_key_values to cache, and each release ignores the other
+    name: a hand-written decode loop then ran without its cache on the releases labkit supports before 5.24
+    (notebook 01's check of the loop against generate failed). A cell passes the cache as ``**{CACHE: cache}``."""
+    for index, cell in enumerate(_read(path).cells):
+        if cell.cell_type == "code":
+            for call in (n for n in ast.walk(ast.parse(_python(cell.source))) if isinstance(n, ast.Call)):
+                names = {keyword.arg for keyword in call.keywords} & {"cache", "past_key_values"}
+                assert not names, f"cell {index} passes the KV cache as {names.pop()}=: use **{{CACHE: cache}}"
 
 
 @pytest.mark.notebooks

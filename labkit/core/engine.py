@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-import reprlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -36,6 +35,7 @@ from labkit.core.request import (
     RequestMetrics,
     RequestOutput,
     SamplingParams,
+    as_int,
     as_token_id,
     check_request_length,
     is_token_sequence,
@@ -248,7 +248,7 @@ class Engine:
 
         KeyError if no unfinished request has that id; TypeError for an id that is not an int.
         """
-        self._aborted.append(self.scheduler.abort(_request_id(request_id), self.clock()))
+        self._aborted.append(self.scheduler.abort(as_int("request_id", request_id), self.clock()))
 
     def report_aborts(self) -> list[StepReport]:
         """Report the ends of requests aborted since the last step now, in steps of their own, when nothing else
@@ -270,7 +270,7 @@ class Engine:
         ValueError for a request that is still running (abort it first) or whose last token is still being
         read (async scheduling: step once more). TypeError for an id that is not an int.
         """
-        request_id = _request_id(request_id)
+        request_id = as_int("request_id", request_id)
         request = self.requests[request_id]
         if request.finish_reason is None or PENDING_TOKEN in request.output_token_ids:
             raise ValueError(f"request {request_id} has not finished: abort() it, or step() until it has")
@@ -284,7 +284,7 @@ class Engine:
         With async scheduling it holds the tokens read so far, and only their times; a request whose last token is
         still being read has not finished yet (its finish reason may still change from "length" to "stop").
         """
-        request_id = _request_id(request_id)
+        request_id = as_int("request_id", request_id)
         request = self.requests[request_id]
         outputs, metrics = request.output_token_ids, request.metrics
         read = len(outputs)
@@ -602,14 +602,6 @@ class _LaunchedStep:
     finished: list[Request]  # what its commit finished (by length); a stop found later reports earlier
     start: float
     state: dict[str, Any]  # the report's block and queue fields as its commit left them
-
-
-def _request_id(value: object) -> int:
-    """A request id of any integer kind (numpy's too) as a Python int. A bool or a float is refused: looked up in
-    ``requests`` it would find the request of the int it equals (True, 1.0: request 1)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"request_id must be an int, got {type(value).__name__} {reprlib.repr(value)}")
-    return int(value)
 
 
 def _arrival_time(value: object, now: float) -> float:

@@ -305,9 +305,10 @@ def as_bool(name: str, value: object, *, none_ok: bool = False) -> bool | None:
 
 
 def as_int(name: str, value: object) -> int:
-    """An integer of any kind (int, numpy.int64, ...) as a Python int; bool is refused."""
+    """An integer of any kind (int, numpy.int64, ...) as a Python int. A bool or a float is refused: True and 1.0
+    equal 1, so a request id of either would find request 1."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {reprlib.repr(value)}")
     return int(value)
 
 

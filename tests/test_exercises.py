@@ -2717,6 +2717,13 @@ def test_a_ctrl_c_stops_labkit_check_after_the_exercise_it_stopped(tmp_path, cap
     assert "Stopped: the exercises after it were not checked." in out
     rows = [line.split()[1] for line in out.splitlines() if re.match(r"│ \d │", line)]
     assert rows == ["2"] and "you stopped the check" in out and "while True" in out
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:  # the last exercise named, or the only one: stopped all the same
+        assert main(["check", "5", "--path", str(tmp_path)]) == 130
+    finally:
+        timer.cancel()
+    assert capsys.readouterr().out.rstrip().endswith("Stopped.")
 
 
 def test_a_ctrl_c_stops_the_learners_pytest_run(monkeypatch, capsys):

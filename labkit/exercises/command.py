@@ -74,12 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(
                 f"--class {args.class_folder}: no subfolders (put each learner's files in a folder of its own)"
             )
-        found = check_class(learners, [e.number for e in chosen])
-        if args.json:
-            print(json.dumps(found, indent=2))
-        else:
-            show_class(chosen, found, Console())
-        return 0 if all(isinstance(r, list) and all(e["status"] == "passed" for e in r) for r in found.values()) else 1
+        return _check_a_class(learners, chosen, as_json=args.json)
     # With --json, what the learner's code prints goes to stderr: stdout stays one JSON document for the script.
     results = []
     with _stdout_to_stderr() if args.json else contextlib.nullcontext():
@@ -87,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             results.append(check_file(exercise, args.path))
             if _stopped(results[-1]) and not args.watch:  # a Ctrl-C: the exercises checked so far, then no more
                 break
-    stopped = len(results) < len(chosen)
+    stopped, not_checked = any(_stopped(r) for r in results) and not args.watch, chosen[len(results) :]
     chosen = chosen[: len(results)]
     if args.json:
         entries = [{**r.to_dict(), "after_notebooks": list(e.after)} for e, r in zip(chosen, results, strict=True)]
@@ -98,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     verbose = args.verbose or len(args.numbers) == 1 or stopped
     show_progress(chosen, results, console, verbose=verbose, path=args.path)
     if stopped:
-        console.print("Stopped: the exercises after it were not checked.")
+        console.print("Stopped" + (": the exercises after it were not checked." if not_checked else "."))
         return 130
     if args.watch:
         results = watch(chosen, results, args.path, console)
@@ -137,7 +132,19 @@ def show_progress(
         )
 
 
+def _check_a_class(learners: list[Path], chosen: list[Exercise], *, as_json: bool) -> int:
+    """``labkit check --class``: the table (or JSON) of every learner; 0 when every learner passes every exercise."""
+    found = check_class(learners, [e.number for e in chosen])
+    if as_json:
+        print(json.dumps(found, indent=2))
+    else:
+        show_class(chosen, found, Console())
+    everyone_passed = all(isinstance(r, list) and all(e["status"] == "passed" for e in r) for r in found.values())
+    return 0 if everyone_passed else 1
+
+
 def _stopped(result: CheckResult) -> bool:
+    """Whether the learner stopped this check with a Ctrl-C."""
     return any(failure.kind == "stopped" for failure in result.failures)
 
 

@@ -87,6 +87,7 @@ class _SameDevice(TorchFunctionMode):
 
 
 def _scalar_to_meta(leaf: Any) -> Any:
+    """A CPU tensor onto meta: in an op that mixes no devices, only a 0-d one, a scalar to CUDA, can be left."""
     return leaf.to("meta") if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" else leaf
 
 

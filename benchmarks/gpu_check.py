@@ -11,7 +11,8 @@
    with graphs on, also the GPU's share alone (the step's graph replayed, no host work around it).
    The attention kernel alone at that batch, for each key-tile size and warp count, against the same floor.
 4. Utilisation - NVML's GPU utilisation, and model-bandwidth utilisation (bytes a step must read, over the
-   time it took, over the measured bandwidth), labkit static against continuous.
+   time it took, over the measured bandwidth; and over NVML's peak bandwidth, as MBU is usually quoted), labkit
+   static against continuous.
 5. Traces - a continuous and a static run of one workload, recorded with NVML samples on every StepReport,
    to labkit/data/traces/gpu_{continuous,static}.json (the course's GPU notebook replays them).
 6. Profile - where a decode step's time goes at the largest batch: host time by engine phase (graphs on),
@@ -164,6 +165,23 @@ def measure_bandwidth(device: torch.device, quick: bool) -> float:
     del source, target
     release(device)
     return 2 * size / best
+
+
+def peak_bandwidth(device: torch.device) -> float | None:
+    """The memory's peak bytes per second as NVML describes it: two transfers a clock x its top memory clock x
+    its bus width (an H100 SXM: 2 x 2,619 MHz x 640 bytes = 3.35 TB/s, its datasheet's figure). MBU is usually
+    quoted against this peak; a copy reaches less of it. None without NVML."""
+    handle = _nvml_handle(device.index or 0) if device.type == "cuda" else None
+    if handle is None:
+        return None
+    try:
+        import pynvml
+
+        clock_hz = pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_MEM) * 1e6
+        bus_bytes = pynvml.nvmlDeviceGetMemoryBusWidth(handle) / 8
+    except Exception:  # an NVML too old for the bus width, or a device that does not report it
+        return None
+    return 2 * clock_hz * bus_bytes or None
 
 
 def requests_of(workload: list[WorkloadRequest]) -> tuple[list[list[int]], list[int]]:
@@ -761,6 +779,13 @@ def summary_table(results: dict[str, Any], bandwidth: float) -> tuple[Table, lis
     if errors:
         passed = all(v["passed"] for v in kernel.values() if isinstance(v, dict) and "passed" in v)
         table.add_row("Triton kernel vs torch (max error)", f"{max(errors):.2e}", "pass" if passed else "FAIL")
+    measured = results.get("bandwidth", {})
+    peak = measured.get("peak_bytes_per_s")
+    if "bytes_per_s" in measured:
+        value = f"{measured['bytes_per_s'] / 1e9:,.0f} GB/s"
+        if peak:
+            value += f" ({measured['bytes_per_s'] / peak:.0%} of NVML's peak, {peak / 1e9:,.0f} GB/s)"
+        table.add_row("memory bandwidth, device copy (the floors' bandwidth)", value, "")
     for workload in ("nano-vllm", "sharegpt-like"):
         part = results.get(f"throughput {workload}", {})
         rates = {k: v.get("tokens_per_s") for k, v in part.items() if isinstance(v, dict) and "tokens_per_s" in v}
@@ -775,7 +800,10 @@ def summary_table(results: dict[str, Any], bandwidth: float) -> tuple[Table, lis
         for name in (*continuous, "labkit static"):
             entry = part.get(name, {})
             if "decode_bytes_per_s" in entry:
-                table.add_row(f"{workload}: {name} MBU (decode)", f"{entry['decode_bytes_per_s'] / bandwidth:.0%}", "")
+                value = f"{entry['decode_bytes_per_s'] / bandwidth:.0%}"
+                if peak:
+                    value += f" ({entry['decode_bytes_per_s'] / peak:.0%} of the peak)"
+                table.add_row(f"{workload}: {name} MBU (decode, of the copy's bandwidth)", value, "")
         hf = rates.get("transformers generate_batch")
         if hf and best is not None:
             ratio, entry = rates[best] / hf, part["transformers generate_batch"]
@@ -872,9 +900,12 @@ def main() -> None:
         return parity and kernel
 
     ok = parts.run("correctness", correctness) is True  # None: the check crashed, which fails it
-    bandwidth = parts.run(
-        "bandwidth", lambda part: part.setdefault("bytes_per_s", measure_bandwidth(device, args.quick))
-    )
+
+    def bandwidths(part: dict[str, Any]) -> float:
+        part["peak_bytes_per_s"] = peak_bandwidth(device)
+        return part.setdefault("bytes_per_s", measure_bandwidth(device, args.quick))
+
+    bandwidth = parts.run("bandwidth", bandwidths)
     bandwidth = float("nan") if bandwidth is None else bandwidth
 
     def build(part: dict[str, Any]) -> torch.nn.Module:

@@ -127,6 +127,32 @@ def test_the_throughput_targets_are_read_off_the_best_continuous_run(gpu_check) 
     assert re.search(r"nano-vllm: transformers' token budget\s+│\s+2,048\s+│", text)  # it ran with its own
 
 
+def test_mbu_is_shown_against_the_copy_and_against_nvml_s_peak(gpu_check, monkeypatch) -> None:
+    """The peak from NVML's memory clock and bus width (an H100 SXM's: 3.35 TB/s, its datasheet's figure); MBU against
+    both it and the copy's bandwidth, since published MBU figures use the peak."""
+    nvml = SimpleNamespace(
+        NVML_CLOCK_MEM=2,
+        nvmlDeviceGetMaxClockInfo=lambda handle, kind: 2619 if kind == 2 else 1980,
+        nvmlDeviceGetMemoryBusWidth=lambda handle: 5120,
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setattr(gpu_check, "_nvml_handle", lambda index: object())
+    assert gpu_check.peak_bandwidth(torch.device("cuda", 0)) == pytest.approx(3.352e12, rel=1e-3)
+    assert gpu_check.peak_bandwidth(torch.device("cpu")) is None
+    monkeypatch.setattr(gpu_check, "_nvml_handle", lambda index: None)  # no NVML: no peak, no crash
+    assert gpu_check.peak_bandwidth(torch.device("cuda", 0)) is None
+
+    part = {"labkit continuous": {"tokens_per_s": 20_000.0, "decode_bytes_per_s": 2.0e12}}
+    measured = {"bytes_per_s": 4e12, "peak_bytes_per_s": 5e12}
+    text = summary_text(gpu_check, {"bandwidth": measured, "throughput nano-vllm": part})
+    assert re.search(r"memory bandwidth, device copy .*│\s+4,000 GB/s \(80% of NVML's peak, 5,000 GB/s\)", text)
+    assert re.search(r"labkit continuous MBU \(decode, of the copy's bandwidth\)\s+│\s+50% \(40% of the peak\)", text)
+    text = summary_text(
+        gpu_check, {"bandwidth": {"bytes_per_s": 4e12, "peak_bytes_per_s": None}, "throughput nano-vllm": part}
+    )
+    assert re.search(r"│\s+4,000 GB/s\s+│", text) and re.search(r"bandwidth\)\s+│\s+50%\s+│", text)
+
+
 def test_throughput_saves_after_each_method_so_a_stalled_baseline_loses_nothing(gpu_check, monkeypatch) -> None:
     """A baseline that stalls until the run's time limit kills it must not take the numbers measured before it."""
     saved: list[list[str]] = []

@@ -8,12 +8,13 @@ The scheduler admits from the front of its waiting queue; the queue decides what
 * ``"priority"`` - lowest ``SamplingParams.priority`` first, then arrival. Running requests are kept in
   the same order, so the last one is the lowest-ranked: the one preempted first, and the one a better
   waiting request may displace (``preempts = True``) when the engine is full.
-* ``"shortest-first"`` - fewest expected tokens (prompt + ``max_new_tokens``) first, which cuts the
-  mean latency, but would let a steady stream of short requests starve a long one. Ageing prevents that:
-  the key is ``expected tokens + ageing x arrival step``, so each step a request has waited is worth
-  ``ageing`` tokens of head start over later arrivals. A request expecting ``E`` tokens, arriving at step
-  ``t``, ranks before every request arriving after step ``t + (E - 1) / ageing``: only finitely many can
-  pass it. The key never changes while a request waits, so the queue stays sorted as it is.
+* ``"shortest-first"`` - fewest expected tokens (prompt + ``max_new_tokens``, a cap: the order is only as
+  good as the caps are honest) first, which cuts the mean latency, but would let a steady stream of short
+  requests starve a long one. Ageing prevents that: the key is ``expected tokens + ageing x arrival step``,
+  so each step a request has waited is worth ``ageing`` tokens of head start over later arrivals. A request
+  expecting ``E`` tokens, arriving at step ``t``, ranks before every request arriving after step
+  ``t + (E - 1) / ageing``: only finitely many can pass it. The key never changes while a request waits, so
+  the queue stays sorted as it is.
 """
 
 from __future__ import annotations

@@ -2386,6 +2386,101 @@ def test_ex8_serving_the_last_token_in_the_engine_is_not_blamed_on_the_scheduler
     assert "budget is positive" not in text
 
 
+class TouchesTheLruOrder(PrefixCache):
+    """Moves every hit to the most recently used end in match: nothing undoes it, and eviction changes."""
+
+    def match(self, request):
+        found = PrefixCache.match(self, request)
+        for block in found.blocks:
+            if block in self.reusable:
+                self.reusable.move_to_end(block)
+        return found
+
+
+class DropsAStaleEntry(PrefixCache):
+    """Deletes a stale block's index entry in match, leaving digest_of naming it: a later eviction raises."""
+
+    def match(self, request):
+        found = PrefixCache.match(self, request)
+        digests = self.hashes(request, found.num_query_blocks)
+        if found.miss == "evicted" and len(found.blocks) < len(digests):
+            entry = self.index.get(digests[len(found.blocks)])
+            if entry is not None and entry.block_id in self.stale:
+                del self.index[digests[len(found.blocks)]]
+        return found
+
+
+class LooksUpThePromptOnly(PrefixCache):
+    """Counts the prompt's tokens only: a preempted request, readmitted, misses the blocks of what it generated."""
+
+    def match(self, request):
+        prompt_only = type(request)(request.request_id, request.prompt_token_ids, request.params)
+        found = PrefixCache.match(self, prompt_only)
+        return found._replace(num_query_tokens=request.num_tokens)
+
+
+class BytearrayDigests(PrefixCache):
+    @staticmethod
+    def block_hash(parent, token_ids):
+        return bytearray(prefix_cache.block_hash(parent, token_ids))
+
+
+class MissNewWhenAllHit(PrefixCache):
+    def match(self, request):
+        found = PrefixCache.match(self, request)
+        return found if found.miss is not None or not found.num_query_blocks else found._replace(miss="new")
+
+
+def test_ex8_a_match_that_changes_the_cache_is_named():
+    name = "a lookup leaves the cache as it was: the eviction order, the index"
+    for mistake, changed in ((TouchesTheLruOrder, "cache.reusable (the LRU order): [2, 1, 0, 4] -> [4, 0, 1, 2]"),
+                             (DropsAStaleEntry, "cache.index: 3 entries -> 2 entries")):  # fmt: skip
+        _, messages = failing(8, mistake)
+        text = messages[name]
+        assert "expected: the cache as it was before the lookup" in text and f"got:      {changed}" in text, text
+        assert "match only looks" in text and "changes which block is evicted next" in text
+
+
+def test_ex8_a_lookup_of_the_prompt_alone_misses_a_readmitted_requests_own_blocks():
+    _, messages = failing(8, LooksUpThePromptOnly)
+    text = messages["a readmitted request's own generated tokens are looked up too"]
+    assert "request with prompt [10, 11, 12, 13, 14, 15] and 7 tokens it generated" in text
+    assert "expected: PrefixMatch(blocks=[0, 1, 2], num_query_tokens=13, num_query_blocks=3, miss=None)" in text
+    assert "got:      PrefixMatch(blocks=[0], num_query_tokens=13, num_query_blocks=1, miss=None)" in text
+    assert "count request.num_tokens" in text
+    engine = messages["inside the engine, preempted requests find the blocks they computed, as with labkit's cache"]
+    assert "preempted [" in engine and "hit blocks [0, 1, 5]" in engine and "request.tokens(start, end)" in engine
+
+
+def test_ex8_a_digest_that_is_not_bytes_is_named():
+    text = failing(8, BytearrayDigests)[1]["block_hash is SHA-256 over the tokens as little-endian 8-byte ints"]
+    assert "(not bytes)" in text and "return bytes, as hashlib's .digest() gives them" in text
+
+
+class IndexedWithBrackets(PrefixCache):
+    """self.index[digest] where a miss is possible: a KeyError, raised by the learner's own line."""
+
+    def match(self, request):
+        for digest in self.hashes(request, (request.num_tokens - 1) // self.block_size):
+            self.index[digest]  # the lookup that raises
+        return PrefixCache.match(self, request)
+
+
+def test_ex8_an_error_is_shown_where_it_was_raised_with_a_hint_in_every_case():
+    _, messages = failing(8, BytearrayDigests)
+    text = messages["match returns the cached blocks of the longest cached prefix"]
+    assert "TypeError: unhashable type: 'bytearray'" in text
+    assert "not in your code: labkit's insert() (prefix_cache.py) raised it" in text
+    text = failing(8, IndexedWithBrackets)[1]["random caching, eviction and lookups answer like labkit's"]
+    assert "your code raised KeyError" in text and "self.index[digest]" in text
+    assert "the smallest one hypothesis found" in text
+
+
+def test_ex8_a_miss_named_when_every_block_hit_is_named():
+    text = failing(8, MissNewWhenAllHit)[1]["match returns the cached blocks of the longest cached prefix"]
+    assert "miss=None)" in text and "miss='new')" in text and "miss is None then, not 'new'" in text
+
+
 def test_ex8_the_learners_cache_plugged_into_the_engine_gives_labkits_tokens(bundled):
     # A cache written from the contract (the reference's own methods, copied into a subclass) serves a
     # shared prompt through allocator_for(...): the same hits and the same tokens as labkit's own engine.
@@ -2509,6 +2604,32 @@ def ex9_named(mistake, case, expected, got, *phrases):
     assert f"expected: {expected}\n" in text and f"got:      {got}\n" in text, text
     assert all(phrase in text for phrase in phrases), text
     return messages
+
+
+class ArrivalNumberFromTheLength(ShortestFirstQueue):
+    """Numbers arrivals with len(self._entries), which goes down as requests leave: two requests share a number."""
+
+    def add(self, request, step):
+        key = (*self.rank(request, step), len(self._entries))
+        self._keys[request.request_id] = key
+        bisect.insort(self._entries, (key, request), key=operator.itemgetter(0))
+
+
+class LengthAsText(ShortestFirstQueue):
+    def __len__(self):
+        return str(len(self._entries))
+
+
+def test_ex9_an_arrival_number_that_does_not_only_count_up_is_named():
+    name = "the key ends with an arrival number that only counts up"
+    ex9_named(ArrivalNumberFromTheLength, name, "(20, 2)", "(20, 1)", "next(self._arrivals)", "len(self._entries)")
+    ex9_named(NoArrivalNumber, name, "(20, 0)", "(20,)", "arrival number included")
+
+
+def test_ex9_a_len_that_is_no_int_or_wrong_is_named_whatever_the_case():
+    name = "the fewest expected tokens (prompt + max_new_tokens) go first"
+    ex9_named(LengthAsText, name, "an int", "len(queue) raised TypeError: 'str' object cannot be interpreted as an"
+              " integer", "len(queue) is how many requests wait")  # fmt: skip
 
 
 def test_ex9_a_key_computed_again_at_requeue_is_named():

@@ -16,12 +16,12 @@ from labkit.core.engine import Engine
 from labkit.core.prefix_cache import CachedBlock, PrefixCache, PrefixMatch, block_hash
 from labkit.core.request import Request, SamplingParams
 from labkit.core.sim import SimulatedModel
-from labkit.exercises.engine_runs import EMPTY_CHUNK_HINT, run_in_lockstep, step_text
+from labkit.exercises.engine_runs import APPLY_HINT, EMPTY_CHUNK_HINT, run_in_lockstep, step_text
 from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing
 
 BLOCK_SIZE = 4
 # ("cache", prompt), ("evict", n), ("stale", prompt, index), ("collide", prompt, index[, after]) or
-# ("match", prompt[, "hashed"])
+# ("match", tokens[, "hashed" | ("generated", n)]): n of the tokens the request generated itself
 Op = tuple[Any, ...]
 
 
@@ -47,6 +47,8 @@ def _digests_case(name: str, chains: list[list[list[int]]], hint: str) -> Case:
                 calls.append(f"block_hash({'None' if ref is None else ref.hex()[:12] + '...'}, {tokens})")
                 showing("\n".join(calls))
                 got, expected = cls.block_hash(mine, tokens), block_hash(ref, tokens)
+                if not isinstance(got, bytes):  # a bytearray compares equal, but no dict takes it as a key
+                    raise Mismatch("\n".join(calls), _hex(expected), _hex(got), _BYTES_HINT)
                 if got != expected:
                     first = ref is None and hint != _PACKING_HINT  # no parent to chain: the tokens' bytes differ
                     raise Mismatch("\n".join(calls), _hex(expected), _hex(got), _FIRST_BLOCK_HINT if first else hint)
@@ -60,6 +62,10 @@ _PACKING_HINT = (
     " '<' is little-endian and 'q' an 8-byte int, so token 1 is b'\\x01' followed by seven zero bytes;"
     " return .digest() (32 bytes), not .hexdigest()"
 )
+_BYTES_HINT = (
+    "return bytes, as hashlib's .digest() gives them: the digest is a key of self.index, and a bytearray or a"
+    " list cannot be a dict key (a bytearray even compares equal to the bytes, and fails only there)"
+)
 _FIRST_BLOCK_HINT = (
     "the digest of a first block, which has no parent (None), already differs, so how the blocks chain is not"
     f" what breaks here. Check the bytes you hash: {_PACKING_HINT}"
@@ -71,8 +77,43 @@ _CHAIN_HINT = (
 
 
 # ------------------------------------------------------------------ the lookup
-def _request(prompt: list[int], request_id: int = 0) -> Request:
-    return Request(request_id, list(prompt), SamplingParams(max_new_tokens=1))
+def _request(prompt: list[int], request_id: int = 0, generated: int = 0) -> Request:
+    """A request for ``prompt`` whose last ``generated`` tokens it generated itself (a preempted request, back)."""
+    cut = len(prompt) - generated
+    request = Request(request_id, list(prompt[:cut]), SamplingParams(max_new_tokens=generated + 1))
+    request.output_token_ids.extend(prompt[cut:])
+    return request
+
+
+def _state(cache: Any) -> dict[str, Any]:
+    """What a lookup must leave as it found it: the index, the LRU order of the reusable blocks, the evicted and
+    stale sets."""
+    return {
+        "cache.index": dict(cache.index),
+        "cache.digest_of": dict(cache.digest_of),
+        "cache.reusable (the LRU order)": list(cache.reusable),
+        "cache.evicted": list(cache.evicted),
+        "cache.stale": set(cache.stale),
+    }
+
+
+def _changes(before: dict[str, Any], after: dict[str, Any]) -> str:
+    shown = []
+    for name, old in before.items():
+        new = after[name]
+        if old != new:
+            if isinstance(old, dict):
+                old, new = f"{len(old)} entries", f"{len(new)} entries" if len(new) != len(old) else "other entries"
+            shown.append(f"{name}: {old} -> {new}")
+    return "; ".join(shown)
+
+
+READS_ONLY_HINT = (
+    "match only looks: it takes nothing and must leave the cache as it found it (no del from self.index, no"
+    " revive, no move_to_end or pop on self.reusable). The allocator revives the blocks when the request takes"
+    " them, and records it so that a failed step can be undone; a change made in match is never undone, and it"
+    " changes which block is evicted next"
+)
 
 
 def _replay(cls: Any, ops: list[Op], name: str) -> tuple[list[PrefixMatch], list[str]]:
@@ -115,15 +156,25 @@ def _replay(cls: Any, ops: list[Op], name: str) -> tuple[list[PrefixMatch], list
             cache.digest_of[63] = digests[index]
             text.append(f"# a collision: block 63 holds {holds} under the digest of block {index} of {prompt}")
         else:
-            prompt, *hashed = args
-            request = _request(prompt)
-            if hashed:  # every full block hashed already, as for a request that computed them: hashes() returns more
+            prompt, *how = args
+            generated = how[0][1] if how and how[0] != "hashed" else 0
+            request = _request(prompt, generated=generated)
+            if how == ["hashed"]:  # every full block hashed already, as for a request that computed them
                 cache.hashes(request, len(prompt) // BLOCK_SIZE)
                 text.append(f"cache.match(request with tokens {prompt}, all its full blocks hashed already)")
+            elif generated:
+                text.append(
+                    f"cache.match(request with prompt {request.prompt_token_ids} and {generated} tokens it generated,"
+                    f" {request.output_token_ids}: preempted, now readmitted)"
+                )
             else:
                 text.append(f"cache.match(request with tokens {prompt})")
             showing("\n".join(text))
+            before = _state(cache)
             answers.append(cache.match(request))
+            changed = _changes(before, _state(cache))
+            if changed:
+                raise Mismatch("\n".join(text), "the cache as it was before the lookup", changed, READS_ONLY_HINT)
     return answers, text
 
 
@@ -149,7 +200,7 @@ def compare(cls: Any, ops: list[Op], hint: str) -> None:
                 shown,
                 _show(want),
                 _show(have),
-                _nothing_hit_hint(want, have) or _collision_hint(want, have, hint) or hint,
+                _nothing_hit_hint(want, have) or _collision_hint(want, have, hint) or _all_hit_hint(want, have) or hint,
             )
 
 
@@ -166,6 +217,18 @@ def _nothing_hit_hint(want: Any, have: Any) -> str:
         return ""
     hit_nothing = isinstance(have.blocks, (list, tuple)) and not have.blocks and have.miss == "new"
     return NOTHING_HIT_HINT if hit_nothing else ""
+
+
+def _all_hit_hint(want: Any, have: Any) -> str:
+    """When the learner hit the same blocks but names a miss where every block that could be served hit."""
+    if not (isinstance(want, PrefixMatch) and isinstance(have, PrefixMatch)) or want.miss is not None:
+        return ""
+    if list(have.blocks) != list(want.blocks) or have.miss is None:
+        return ""
+    return (
+        f"every one of the {want.num_query_blocks} blocks that could be served hit, so nothing missed: miss is None"
+        f" then, not {have.miss!r} (a reason names the first block not served, and there is none)"
+    )
 
 
 def _collision_hint(want: Any, have: Any, hint: str) -> str:
@@ -212,6 +275,11 @@ _PARENT_HINT = (
     " a block's keys and values depend on every token before it (which is why block_hash chains the parent):"
     " a hit needs entry.parent == the digest of the request's previous block (None for its first block) as well"
     " as entry.token_ids == its tokens; otherwise it is a miss, reason 'new'"
+)
+_GENERATED_HINT = (
+    "a request readmitted after preemption has tokens it generated itself, and they are part of its prefix as"
+    " much as its prompt: count request.num_tokens (prompt and output, not num_prompt_tokens) and take a block's"
+    " tokens with request.tokens(start, end), which reads across the prompt into the output"
 )
 _STALE_HINT = (
     "a block in self.stale may hold another request's keys and values (a failed step wrote there): treat its"
@@ -264,6 +332,26 @@ CASES = [
         [("cache", A), ("stale", A, 1), ("match", [*A, 99])],
         _STALE_HINT,
     ),
+    _lookup_case(
+        "a readmitted request's own generated tokens are looked up too",
+        [("cache", A), ("match", [*A, 99], ("generated", 7)), ("match", A, ("generated", 2))],
+        _GENERATED_HINT,
+    ),
+    _lookup_case(
+        "a lookup leaves the cache as it was: the eviction order, the index",
+        [
+            ("cache", A),
+            ("cache", B),
+            ("match", [*A, 99]),
+            ("evict", 1),
+            ("match", [*A, 99]),
+            ("stale", A, 0),
+            ("match", [*A, 99]),
+            ("evict", 3),
+            ("match", [*A, 99]),
+        ],
+        READS_ONLY_HINT,
+    ),
 ]
 
 
@@ -272,7 +360,10 @@ def _random_ops(example: Any) -> list[Op]:
     ops: list[Op] = []
     for kind, which, cut, extra in script:
         prompt = heads[which][: max(1, cut)] + extra
-        ops.append(("cache", prompt) if kind == 0 else ("evict", 1 + cut % 3) if kind == 1 else ("match", prompt))
+        if kind == 2:  # a lookup; every other one for a request whose ``extra`` tokens it generated itself
+            ops.append(("match", prompt, ("generated", len(extra))) if extra and cut % 2 else ("match", prompt))
+        else:
+            ops.append(("cache", prompt) if kind == 0 else ("evict", 1 + cut % 3))
     return ops + [("match", [*head, 99]) for head in heads]
 
 
@@ -297,21 +388,32 @@ CASES.append(
 SYSTEM = [2 + (5 * i) % 50 for i in range(3 * BLOCK_SIZE)]  # a three-block "system prompt"
 
 
-def engine_lockstep(cls: Any, hint: str) -> None:
-    """Serve a shared-prefix workload with ``cls`` and with labkit's cache; Mismatch at the first step that differs."""
+def engine_lockstep(cls: Any, hint: str, preempting: bool = False) -> None:
+    """Serve a shared-prefix workload with ``cls`` and with labkit's cache; Mismatch at the first step that differs.
+    ``preempting``: a cache too small for the requests, so that preempted requests come back and look up the
+    blocks they computed, their generated tokens' too."""
+    num_blocks = 8 if preempting else 14
     config = EngineConfig(
-        block_size=BLOCK_SIZE, num_blocks=14, max_batch_tokens=16, max_num_seqs=3, enable_prefix_caching=True
+        block_size=BLOCK_SIZE, num_blocks=num_blocks, max_batch_tokens=16, max_num_seqs=3, enable_prefix_caching=True
     )
-    prompts = [[*SYSTEM, 40 + i, 41 + i, 42] for i in range(5)] + [SYSTEM[:6], SYSTEM, [*SYSTEM, 40, 41, 42, 43, 7]]
-    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    if preempting:
+        prompts = [[*SYSTEM[:8], 40 + i, 41 + i] for i in range(4)]
+        params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+        requests = "the system prompt's first 8 tokens + 2, four times (12 new tokens each)"
+    else:
+        prompts = [[*SYSTEM, 40 + i, 41 + i, 42] for i in range(5)] + [SYSTEM[:6], SYSTEM, [*SYSTEM, 40, 41, 42, 43, 7]]
+        params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+        requests = (
+            "a 12-token system prompt + 3 tokens, five times; its first 6 tokens; all of it; it + 5 tokens (6 new"
+        )
+        requests += " tokens each)"
     engines = [Engine(SimulatedModel(), config, allocator_cls=allocator_for(c)) for c in (PrefixCache, cls)]
     for engine in engines:
         for prompt in prompts:
             engine.add_request(prompt, params)
     setup = (
-        f"EngineConfig(block_size={BLOCK_SIZE}, num_blocks=14, max_batch_tokens=16, max_num_seqs=3,"
-        f" enable_prefix_caching=True)\nrequests: a 12-token system prompt + 3 tokens, five times; its first 6"
-        f" tokens; all of it; it + 5 tokens (6 new tokens each)"
+        f"EngineConfig(block_size={BLOCK_SIZE}, num_blocks={num_blocks}, max_batch_tokens=16, max_num_seqs=3,"
+        f" enable_prefix_caching=True)\nrequests: {requests}"
     )
     reference, mine = engines
     try:
@@ -319,6 +421,8 @@ def engine_lockstep(cls: Any, hint: str) -> None:
     except Mismatch as mismatch:
         if mismatch.hint == EMPTY_CHUNK_HINT:  # the scheduler is labkit's: the lookup left nothing to compute
             mismatch.hint = ENGINE_LAST_TOKEN_HINT
+        elif mismatch.hint == APPLY_HINT:  # labkit's scheduler failed on the allocator's state, which match changed
+            mismatch.hint = READS_ONLY_HINT
         raise
 
 
@@ -339,13 +443,19 @@ def _engine_step(report: Any) -> str:
     )
 
 
+ENGINE_HINT = "compare the first step where the hits or the misses differ, then the lookup cases above"
 CASES.append(
     Case(
         "inside the engine, a shared system prompt is served as with labkit's cache",
-        lambda cls: engine_lockstep(
-            cls, "compare the first step where the hits or the misses differ, then the lookup cases above"
-        ),
+        lambda cls: engine_lockstep(cls, ENGINE_HINT),
         "plugged in with allocator_cls=allocator_for(MyPrefixCache), your block_hash and match decide every hit",
+    )
+)
+CASES.append(
+    Case(
+        "inside the engine, preempted requests find the blocks they computed, as with labkit's cache",
+        lambda cls: engine_lockstep(cls, f"{ENGINE_HINT}; {_GENERATED_HINT}", preempting=True),
+        "a preempted request is looked up again when it is readmitted, with the tokens it generated",
     )
 )
 

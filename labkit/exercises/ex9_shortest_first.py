@@ -21,7 +21,7 @@ from labkit.exercises.engine_runs import history, step_text
 from labkit.exercises.framework import Case, Exercise, Mismatch, property_case, showing
 
 # ("add", id, prompt tokens, max_new_tokens, step), ("remove", id), ("requeue", id), ("forget", id),
-# ("list",), ("len",), ("keys",) (the ids with a key in self._keys) or ("rank", id, step)
+# ("list",), ("len",), ("keys",) (the ids with a key in self._keys), ("key", id) (its key) or ("rank", id, step)
 Op = tuple[Any, ...]
 
 
@@ -66,6 +66,8 @@ def _replay(cls: Any, ageing: float | None, ops: list[Op], name: str) -> tuple[l
         elif kind == "rank":
             request_id, step = args
             text.append(f"queue.rank(r{request_id}, step={step})")
+        elif kind == "key":
+            text.append(f"queue._keys[{args[0]}]  # r{args[0]}'s key")
         else:
             text.append({"list": "list(queue)", "len": "len(queue)", "keys": "the ids in queue._keys"}[kind])
         showing("\n".join(text))
@@ -75,13 +77,19 @@ def _replay(cls: Any, ageing: float | None, ops: list[Op], name: str) -> tuple[l
             getattr(queue, kind)(requests[args[0]])
         elif kind == "rank":
             answers.append(queue.rank(requests[args[0]], args[1]))
+        elif kind == "key":
+            keys = getattr(queue, "_keys", None)
+            answers.append(keys.get(args[0], "no key") if isinstance(keys, dict) else "no dict self._keys")
         elif kind == "list":
             answers.append(_ids(list(queue)))
             again = _ids(list(queue))
             if again != answers[-1]:  # the first look took requests out: every later look would say so otherwise
                 raise Mismatch("\n".join([*text, "list(queue)"]), f"{answers[-1]} again", again, _ITER_HINT)
         elif kind == "len":
-            answers.append(repr(len(queue)))
+            try:
+                answers.append(repr(len(queue)))
+            except TypeError as error:  # __len__ returned something else than an int
+                raise Mismatch("\n".join(text), "an int", f"len(queue) raised TypeError: {error}", _LEN_HINT) from None
         elif kind == "keys":
             keys = getattr(queue, "_keys", None)
             answers.append(_ids([f"r{k}" for k in sorted(keys)]) if isinstance(keys, dict) else "no dict self._keys")
@@ -95,10 +103,12 @@ def compare(cls: Any, ops: list[Op], hint: str, ageing: float | None = None) -> 
     name = getattr(cls, "__name__", "queue")
     expected, text = _replay(ShortestFirstQueue, ageing, ops, name)
     got, _ = _replay(cls, ageing, ops, name)
-    looks = [i for i, op in enumerate(ops, start=1) if op[0] in ("list", "len", "keys", "rank")]
+    looks = [i for i, op in enumerate(ops, start=1) if op[0] in ("list", "len", "keys", "key", "rank")]
     for number, (want, have) in enumerate(zip(expected, got, strict=True)):
         if want != have:  # a rank of (30,) is the same as one of (30.0,)
-            raise Mismatch("\n".join(text[: looks[number] + 1]), _text(want), _text(have), hint)
+            len_wrong = ops[looks[number] - 1][0] == "len"  # whatever the case checks, len() is what answered wrong
+            shown = "\n".join(text[: looks[number] + 1])
+            raise Mismatch(shown, _text(want), _text(have), _LEN_HINT if len_wrong else hint)
 
 
 def _text(answer: Any) -> str:
@@ -107,7 +117,8 @@ def _text(answer: Any) -> str:
 
 def script(text: str) -> list[Op]:
     """A case's script from its short form: "add 0 10+20 @3" (r0 arrives at step 3 with 10 prompt tokens and
-    max_new_tokens=20), "remove 0", "requeue 0", "forget 0", "rank 0 @3", "list", "len" or "keys", ";" between."""
+    max_new_tokens=20), "remove 0", "requeue 0", "forget 0", "rank 0 @3", "key 0", "list", "len" or "keys", ";"
+    between."""
     ops: list[Op] = []
     for line in text.split(";"):
         kind, *args = line.split()
@@ -141,17 +152,27 @@ _TIE_HINT = (
     "two requests of the same rank go in arrival order, the earlier first: the key ends with next(self._arrivals),"
     " which counts up (0, 1, 2, ...) as requests are added, and the smallest key comes first"
 )
+_ARRIVAL_HINT = (
+    "add's key is (*self.rank(request, step), next(self._arrivals)): the arrival number comes from the counter,"
+    " which only counts up (0, 1, 2, ...), so no two requests ever share one (len(self._entries) would: it goes"
+    " down as requests leave); and self._keys keeps each request's whole key, arrival number included, while the"
+    " request lives (remove keeps it too: only forget drops it)"
+)
 _REQUEUE_HINT = (
     "a preempted request goes back where its key ranks it, among the waiting requests, not to the front as first"
     " come first served does: a ranked queue has no front of its own. Insert (key, request) in order with its"
-    " stored key, self._keys[request.request_id]"
+    " stored key, self._keys[request.request_id] (remove leaves the key there, since an admitted request may come"
+    " back; only forget drops it)"
 )
 _KEY_FIXED_HINT = (
     "a request keeps the key it arrived with while it lives, its arrival number included: requeue inserts it under"
     " self._keys[request.request_id], the whole key add stored. A key made again at requeue (with another step,"
     " or a new arrival number) would rank a request that has waited since it arrived as if it came later (or"
-    " earlier) than it did"
+    " earlier) than it did. And self._entries is sorted by the whole key, arrival number too:"
+    " bisect.insort(self._entries, (key, request), key=itemgetter(0)), so that a requeued request goes before the"
+    " requests of its rank that arrived after it"
 )
+_LEN_HINT = "len(queue) is how many requests wait: the number of entries, len(self._entries), an int"
 _REMOVE_HINT = (
     "remove takes out exactly this request's entry, (self._keys[request.request_id], request), wherever it is in"
     " the queue: not the head, and not another request of the same rank (self._entries.remove((key, request)))"
@@ -188,6 +209,17 @@ CASES = [
         "add 3 10+10 @0; add 1 10+10 @0; add 2 8+12 @0; add 0 4+4 @0; add 4 2+6 @0; list",
         _TIE_HINT,
     ),
+    _case(  # from the middle, the end, the front
+        "remove takes out exactly that request",
+        "add 0 10+10 @0; add 1 8+8 @0; add 2 12+12 @0; add 3 2+2 @0; remove 1; list; remove 2; list; len; remove 3;"
+        " list",
+        _REMOVE_HINT,
+    ),
+    _case(  # r1 and r2 rank alike; r2 arrives after r0 has left
+        "the key ends with an arrival number that only counts up",
+        "add 0 10+10 @0; add 1 10+10 @0; remove 0; add 2 10+10 @0; key 0; key 1; key 2",
+        _ARRIVAL_HINT,
+    ),
     _case(  # r0 and r1 are admitted, then preempted after two more arrive
         "a preempted request goes back where its key ranks it, not to the front",
         "add 0 20+10 @0; add 1 4+4 @0; list; remove 1; remove 0; add 2 6+6 @1; add 3 30+20 @1; requeue 0; list;"
@@ -203,12 +235,6 @@ CASES = [
         "a requeued request keeps its arrival number, and the step it arrived at",
         "add 1 15+15 @0; add 4 36+24 @0; add 0 10+10 @5; remove 0; add 2 2+2 @7; add 3 20+10 @7; requeue 0; list",
         _KEY_FIXED_HINT,
-    ),
-    _case(  # from the middle, the end, the front
-        "remove takes out exactly that request",
-        "add 0 10+10 @0; add 1 8+8 @0; add 2 12+12 @0; add 3 2+2 @0; remove 1; list; remove 2; list; len; remove 3;"
-        " list",
-        _REMOVE_HINT,
     ),
     _case(
         "iterating over the queue takes nothing out",

@@ -74,6 +74,8 @@ def property_case(
     smallest input that breaks their code, marked as a counterexample.
     """
 
+    hint = hint or PROPERTY_HINT
+
     def run(implementation: Any) -> None:
         from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 
@@ -110,6 +112,10 @@ def property_case(
     return Case(name, run, hint)
 
 
+PROPERTY_HINT = (
+    "the input above is the smallest one hypothesis found, among inputs drawn at random, on which your code goes"
+    " wrong; the cases above it check one rule each, and the first of them that fails is the place to start"
+)
 FLAKY_HINT = (
     "your code answers the same input differently from one call to the next: its answer must depend on its"
     " arguments only (a shared random generator such as torch.rand, or state kept between calls, breaks that)"
@@ -296,13 +302,28 @@ def run_case(case: Case, implementation: Any, *, verbose: bool = False) -> Failu
             traceback.format_exc() if verbose else "",
         )
     except (Exception, SystemExit) as error:  # the learner's own error (sys.exit() too): show it, not labkit's
-        where = traceback.format_exc() if verbose else learner_frames(error)
+        where = traceback.format_exc() if verbose else learner_frames(error) or _raised_outside(error)
         got = f"your code raised {type(error).__name__}: {error}"
         hint = _error_hint(error, case.hint)
         return Failure(
             case.name, "error", _clip(_current_input[0], 2 * MAX_SHOWN), got=_clip(got), hint=hint, traceback=where
         )
     return None
+
+
+def _raised_outside(error: BaseException) -> str:
+    """Where an error came from that no frame of the learner's code raised: labkit's code, working on what the
+    learner's code returned or changed (a bytearray used as a dict key, a queue whose len() is a str)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return ""
+    last = frames[-1]
+    if Path(last.filename).resolve().is_relative_to(LABKIT_DIR / "exercises"):
+        return "not in your code: the check raised it, on what your code returned (the input's last line)"
+    return (
+        f"not in your code: labkit's {last.name}() ({Path(last.filename).name}) raised it, working on what your"
+        " code returned or changed"
+    )
 
 
 def _not_started(error: NotImplementedError) -> str:

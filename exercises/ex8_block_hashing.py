@@ -48,7 +48,11 @@ class MyPrefixCache(PrefixCache):
         raise NotImplementedError("Exercise 8")
 
     def match(self, request: Request) -> PrefixMatch:
-        """The cached blocks of ``request``'s longest cached prefix; nothing is taken yet.
+        """The cached blocks of ``request``'s longest cached prefix. A lookup only looks: nothing is taken
+        yet and nothing in the cache changes (the allocator takes the blocks, and records it so that a failed
+        step can be undone). A request readmitted after preemption has tokens it generated itself: they belong
+        to its prefix as much as its prompt (``request.num_tokens`` counts both, ``request.tokens(start, end)``
+        reads across them).
 
         Return ``PrefixMatch(blocks, num_query_tokens, num_query_blocks, miss)``:
 

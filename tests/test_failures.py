@@ -15,6 +15,7 @@ import dataclasses
 import random
 import re
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,6 +24,7 @@ import pytest
 import torch
 from conftest import Boom, engine_state
 
+import labkit.core
 import labkit.runtime.runner
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel
 from labkit.runtime.sampling import Sampler
@@ -960,4 +962,69 @@ def test_a_ctrl_c_during_a_steps_commit_waits_for_its_end(monkeypatch, where, as
     assert engine.num_free_blocks == engine.num_blocks
     steps = [report.step for report in reports]
     assert len(steps) == len(set(steps)) == max(steps), steps  # listeners got every step once, the interrupted too
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+CTRL_C_CONFIGS = {
+    "preempting": dict(block_size=4, num_blocks=9, max_batch_tokens=16, max_num_seqs=4),
+    "prefix caching, priority": dict(
+        block_size=4, num_blocks=12, max_batch_tokens=16, enable_prefix_caching=True, scheduling="priority"
+    ),
+    "async scheduling": dict(block_size=4, num_blocks=12, max_batch_tokens=16, async_scheduling=True),
+    "static": dict(block_size=4, num_blocks=24, max_batch_tokens=32, policy="static", max_num_seqs=2),
+    "shortest-first": dict(block_size=4, num_blocks=9, max_batch_tokens=16, scheduling="shortest-first"),
+}
+
+
+@pytest.mark.parametrize("name", list(CTRL_C_CONFIGS))
+def test_a_ctrl_c_before_any_line_of_a_run_loses_no_block_and_no_request(name):
+    """A SIGINT raised before a line of labkit's core runs during generate(), at every 3rd line it runs: wherever it
+    lands (adding a request, planning, taking blocks off the free queue, preempting, the model's run, the commit,
+    the clean-up, the final release), the run raises KeyboardInterrupt or ends, and then no request is left, every
+    block is free, and the engine serves the same run again. A Ctrl-C that landed between two of labkit's own
+    statements lost blocks for good (taken off the free queue before the journal knew), or left a request in the
+    scheduler and in no queue, which every later run tripped over."""
+    import signal
+    import sys
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    config = EngineConfig(**CTRL_C_CONFIGS[name])
+    prompts = [[5, 6, 7, 8, 9], [5, 6, 7, 8, 9, 10, 11, 12], [20, 21], [5, 6, 7, 8, 30, 31]]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True, priority=n % 2) for n in (6, 3, 8, 4)]
+    reference = [o.output_token_ids for o in Engine(SimulatedModel(), config).generate(prompts, params)]
+    core = str(Path(labkit.core.__file__).parent)
+    lines = [0]
+    fire_at = [-1]
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if not frame.f_code.co_filename.startswith(core):
+            return None
+        if event == "line":
+            lines[0] += 1
+            if lines[0] == fire_at[0]:
+                signal.raise_signal(signal.SIGINT)  # as a Ctrl-C: handled before the line runs
+        return tracer
+
+    def run(engine: Engine, at: int) -> None:
+        lines[0], fire_at[0] = 0, at
+        sys.settrace(tracer)
+        try:
+            engine.generate(prompts, params)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+
+    run(Engine(SimulatedModel(), config), -1)
+    total, interrupted = lines[0], 0
+    for at in range(1, total + 1, 3):
+        engine = Engine(SimulatedModel(), config)
+        run(engine, at)
+        interrupted += lines[0] >= at
+        engine.report_aborts()
+        where = f"SIGINT before line event {at} of {total}"
+        assert not engine.scheduler.requests and not engine.requests, where
+        assert engine.num_free_blocks == engine.num_blocks and not engine.allocator.block_tables, where
+        assert [o.output_token_ids for o in engine.generate(prompts, params)] == reference, where
+    assert interrupted > total // 4
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -490,6 +490,34 @@ def test_closed_widgets_stop_following_the_engine() -> None:
     assert blocks.position == 0 and blocks._widget is None
 
 
+def test_the_last_widget_closed_detaches_the_recorder_it_attached_but_not_one_handed_out() -> None:
+    """Widgets made from an engine attach a recorder for themselves; once the last of them is closed, it is detached,
+    else an engine serving on would keep every later report in it for nobody. A recorder that record() handed out, or
+    one the learner attached, is theirs: closing widgets leaves it recording."""
+    engine = make_engine()
+    blocks, timeline = BlockMap(engine, min_redraw_seconds=0), Timeline(engine)
+    recorders = [listener for listener in engine.step_listeners if isinstance(listener, Recorder)]
+    assert len(recorders) == 1 and blocks.recorder is recorders[0]
+    blocks.close()
+    assert recorders[0].live  # the timeline still follows it
+    timeline.close()
+    assert not recorders[0].live and not any(isinstance(x, Recorder) for x in engine.step_listeners)
+    run(engine)
+    assert len(recorders[0].reports) == 0  # nothing kept for nobody
+
+    for keep in (lambda e: record(e), lambda e: Recorder().attach(e)):
+        engine = make_engine()
+        mine = keep(engine)
+        BlockMap(engine).close()
+        later = make_engine()
+        LiveThroughput(later).close()
+        handed = record(later)  # asked for after a widget attached it: the caller's now
+        Timeline(later).close()
+        run(engine)
+        run(later)
+        assert mine.live and mine.reports and handed.live and handed.reports
+
+
 def test_blockmap_rejects_bad_input() -> None:
     with pytest.raises(TypeError, match="Engine, a Recorder"):
         BlockMap(42)

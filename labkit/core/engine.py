@@ -21,7 +21,8 @@ import itertools
 import math
 import numbers
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, cast
 
@@ -165,7 +166,11 @@ class Engine:
         self._ids = itertools.count()
         self._aborted: list[Request] = []  # aborted between steps: reported with the next step
         self._ahead: deque[_LaunchedStep] = deque()  # async scheduling: committed steps whose tokens are not read
-        self._commit_interrupt = HeldInterrupt()  # a Ctrl-C waits for the end of a step's commit
+        self._commit_interrupt = HeldInterrupt()  # a Ctrl-C waits while labkit changes its state (interrupts.py)
+        # labkit's own allocator, scheduler and queue are planned and changed with a Ctrl-C held; plugged-in ones
+        # stay interruptible (a learner's loop), and only the commit around them is held.
+        parts = (self.allocator, self.scheduler, getattr(self.scheduler, "waiting", None), self.allocator.prefix_cache)
+        self._hold_bookkeeping = all(part is None or type(part).__module__.startswith("labkit.core.") for part in parts)
 
     # ------------------------------------------------------------------ state
     @property
@@ -215,9 +220,17 @@ class Engine:
             eos_token_ids=self.runner.eos_token_ids,
             metrics=RequestMetrics(arrival_time=now),
         )
-        self.scheduler.add(request)
-        self.requests[request_id] = request
-        return request_id
+        added = False
+        try:
+            with self._held_bookkeeping():
+                self.scheduler.add(request)
+                self.requests[request_id] = request
+                added = True
+            return request_id
+        except BaseException:
+            if added:  # a Ctrl-C, delivered once the request was in: the caller gets no id, so nothing is left added
+                self.forget([request_id], report=False)
+            raise
 
     def check_request(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None
@@ -248,7 +261,23 @@ class Engine:
 
         KeyError if no unfinished request has that id; TypeError for an id that is not an int.
         """
-        self._aborted.append(self.scheduler.abort(as_int("request_id", request_id), self.clock()))
+        request_id = as_int("request_id", request_id)
+        with self._held_bookkeeping():
+            self._aborted.append(self.scheduler.abort(request_id, self.clock()))
+
+    @contextmanager
+    def _held_bookkeeping(self) -> Iterator[None]:
+        """Change labkit's own state between steps with a Ctrl-C held, and deliver it after (nothing is held for
+        plugged-in parts, or inside a hold already on)."""
+        held = self._commit_interrupt
+        if not self._hold_bookkeeping or held.holding:
+            yield
+            return
+        held.hold()
+        try:
+            yield
+        finally:
+            held.deliver()
 
     def report_aborts(self) -> list[StepReport]:
         """Report the ends of requests aborted since the last step now, in steps of their own, when nothing else
@@ -317,8 +346,9 @@ class Engine:
         A step is all or nothing. If anything raises before the scheduler commits (in ``schedule``, the
         model, the sampler, a plugged-in allocator or scheduler, a KeyboardInterrupt), the step is rolled
         back: queues, block tables, free blocks and every request are as they were, the exception
-        propagates, and the next ``step()`` does the same work again. A Ctrl-C that comes during the commit
-        waits for its end (``labkit.core.interrupts``). Step listeners run after the commit: one that raises
+        propagates, and the next ``step()`` does the same work again. A Ctrl-C acts at once while the model
+        runs; during labkit's own planning and the commit it waits for the model's run or the step's end
+        (``labkit.core.interrupts``). Step listeners run after the commit: one that raises
         does not undo the step.
 
         With async scheduling each call launches the next step first and then finishes the oldest one
@@ -329,15 +359,19 @@ class Engine:
             return self._step_ahead()
         scheduler, held = self.scheduler, self._commit_interrupt
         output = None
+        if self._hold_bookkeeping:
+            held.hold()  # planning: a Ctrl-C waits for the model's run, where it stops the step at once
         try:
             output = scheduler.schedule()
             free_in_step = self.allocator.num_free_blocks  # the step's blocks taken, none given back yet
             start = self.clock()
+            held.open()
             sampled = [] if output.is_empty else self.runner.execute(output, self.allocator)
             end = self.clock()
             held.hold()
             finished = scheduler.update(output, sampled, end)  # the commit
         except BaseException:
+            held.hold()
             scheduler.rollback(output)
             held.deliver()
             raise
@@ -373,29 +407,37 @@ class Engine:
 
         Returns False, having changed nothing, when there is nothing to run and ``keep_empty`` is false.
         """
-        scheduler, runner = self.scheduler, cast(AsyncRunner, self.runner)
+        scheduler, runner, held = self.scheduler, cast(AsyncRunner, self.runner), self._commit_interrupt
         output = None
+        if self._hold_bookkeeping:
+            held.hold()  # planning: a Ctrl-C waits for the launch, where it stops the step at once
         try:
             output = scheduler.schedule()
             free_in_step = self.allocator.num_free_blocks  # the step's blocks taken, none given back yet
-            if output.is_empty and not keep_empty:
+            launch = keep_empty or not output.is_empty
+            if launch:
+                start = self.clock()
+                previous = self._ahead[-1].handle if self._ahead else None
+                held.open()
+                handle = None if output.is_empty else runner.launch(output, self.allocator, previous)
+                placeholders = [PENDING_TOKEN] * sum(1 for chunk in output.chunks if chunk.samples)
+                held.hold()
+                finished = scheduler.update(output, placeholders, start)  # the commit, tokens to follow
+            else:
                 scheduler.rollback()  # planned, never run: nothing was written into its victims' blocks
-                return False
-            start = self.clock()
-            previous = self._ahead[-1].handle if self._ahead else None
-            handle = None if output.is_empty else runner.launch(output, self.allocator, previous)
-            placeholders = [PENDING_TOKEN] * sum(1 for chunk in output.chunks if chunk.samples)
-            self._commit_interrupt.hold()
-            finished = scheduler.update(output, placeholders, start)  # the commit, tokens to follow
         except BaseException:
+            held.hold()
             scheduler.rollback(output)
-            self._commit_interrupt.deliver()
+            held.deliver()
             raise
+        if not launch:
+            held.deliver()
+            return False
         try:
             self._note_first_scheduled(output, start)
             self._ahead.append(_LaunchedStep(output, handle, finished, start, self._report_state(free_in_step)))
         finally:
-            self._commit_interrupt.deliver()  # the step is committed and in the queue of launched ones
+            held.deliver()  # the step is committed and in the queue of launched ones
         return True
 
     def _finish_oldest(self) -> StepReport:
@@ -482,15 +524,13 @@ class Engine:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         self.report_aborts()
         ids: list[int] = []
+        running, bar = False, None
         try:
             for prompt, p in zip(prompts, params, strict=True):
                 ids.append(self.add_request(prompt, p))
-        except BaseException:
-            self._forget(ids, report=False)  # refused before anything ran: it leaves no trace
-            raise
-        bar = progress_bar(len(ids), "generate") if progress else None
-        pending = set(ids)
-        try:
+            running = True
+            bar = progress_bar(len(ids), "generate") if progress else None
+            pending = set(ids)
             while pending:
                 report = self.step()
                 if not (report.scheduled or report.padding or report.finished or report.preempted or self._ahead):
@@ -505,26 +545,29 @@ class Engine:
                         bar.update(len(done))
             while self._ahead and not self.scheduler.has_unfinished():  # async: a step launched for stopped requests
                 self.step()
+            return [self.release(request_id) for request_id in ids]
         except BaseException:
-            self._forget(ids, report=True)  # the next StepReport shows them aborted, as engine.abort() does
+            # Refused before anything ran, the requests leave no trace; once running, the next StepReport shows
+            # them aborted, as engine.abort() does.
+            self.forget(ids, report=running)
             raise
         finally:
             if bar is not None:
                 bar.close()
-        return [self.release(request_id) for request_id in ids]
 
-    def _forget(self, request_ids: list[int], *, report: bool) -> None:
-        """Abort these requests (freeing their blocks) and drop them from ``requests``.
-
-        ``report=False`` also takes their aborts off the next StepReport: nobody ever saw them.
-        """
-        for request_id in request_ids:
-            if request_id in self.scheduler.requests:
-                self.abort(request_id)
-            del self.requests[request_id]
-        if not report:
-            forgotten = set(request_ids)
-            self._aborted = [r for r in self._aborted if r.request_id not in forgotten]
+    def forget(self, request_ids: Iterable[int], *, report: bool = True) -> None:
+        """Abort these requests where unfinished (freeing their blocks) and drop them from ``requests``: how a run
+        cut short cleans up. Ids already released are skipped. ``report=False`` also takes their aborts off the
+        next StepReport: nobody ever saw them run."""
+        request_ids = list(request_ids)
+        with self._held_bookkeeping():  # a second Ctrl-C during the clean-up waits for its end
+            for request_id in request_ids:
+                if request_id in self.scheduler.requests:
+                    self.abort(request_id)
+                self.requests.pop(request_id, None)
+            if not report:
+                forgotten = set(request_ids)
+                self._aborted = [r for r in self._aborted if r.request_id not in forgotten]
 
     # ------------------------------------------------------------------ helpers
     def _prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:

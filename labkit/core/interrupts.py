@@ -1,9 +1,13 @@
-"""A Ctrl-C held while a step commits.
+"""A Ctrl-C held while labkit changes its own state, and let through while the model runs.
 
-A step is all or nothing: whatever fails before the scheduler commits is rolled back. From the commit on, the plan
-is applied with plain assignments (queues, computed tokens, new tokens, the engine's list of launched steps) that
-must all happen: a KeyboardInterrupt between two of them would leave requests, queues and blocks disagreeing, and
-every later step failing. So a Ctrl-C that arrives there is held, and delivered once the step is whole.
+A step is all or nothing: whatever fails before the scheduler commits is rolled back through the allocator's
+journal. But the journal can only undo what it has recorded, and Python may raise a KeyboardInterrupt between any
+two statements: between taking a block off the free queue and recording it, say, which would lose the block for
+good. So while labkit plans a step, commits it, or adds or aborts a request, a Ctrl-C is held and delivered once the
+state is whole. While the model runs, which is most of a step, a Ctrl-C acts at once: the step is rolled back.
+
+Plugged-in parts (an exercise's allocator, scheduler or queue) are never run with a Ctrl-C held: a learner's code
+stuck in a loop must stay interruptible, so around them only the commit is held.
 """
 
 from __future__ import annotations
@@ -15,20 +19,41 @@ from typing import Any
 
 
 class HeldInterrupt:
-    """Between ``hold()`` and ``release()`` a SIGINT is noted instead of handled. ``deliver()`` releases it and, if
+    """Between ``hold()`` and ``release()`` a SIGINT is noted instead of handled, except after ``open()``, which
+    lets one act at once until the next ``hold()`` (and acts on one noted before). ``deliver()`` releases and, if
     one came, raises the signal again, so that it does then what it would have done (a KeyboardInterrupt in a
-    terminal or a Jupyter kernel); between the two, the step's report goes to its listeners with the handler back in
-    place. Python runs signal handlers in the main thread only: elsewhere none can land, and nothing is held. The
-    two handler swaps cost about 6 us a step."""
+    terminal or a Jupyter kernel). Python runs signal handlers in the main thread only: elsewhere none can land, and
+    nothing is held. A hold costs two handler swaps, about 6 us; ``open()`` and a second ``hold()`` cost nothing."""
 
     def __init__(self) -> None:
         self._previous: Any = None  # the handler held off: a callable, SIG_DFL or SIG_IGN
         self._received = False
+        self._open = False
+
+    @property
+    def holding(self) -> bool:
+        return self._previous is not None
+
+    @property
+    def pending(self) -> bool:
+        """A SIGINT came while held, and waits for ``deliver()``."""
+        return self._received
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
-        self._received = True
+        if self._open:
+            self._act()
+        else:
+            self._received = True
+
+    def _act(self) -> None:
+        """Let the held-off handler handle a SIGINT now (a KeyboardInterrupt, normally), as if none had been held."""
+        self._received = False
+        self.release()
+        signal.raise_signal(signal.SIGINT)
 
     def hold(self) -> None:
+        """Hold a SIGINT from now on; after ``open()``, hold again."""
+        self._open = False
         if self._previous is not None or threading.current_thread() is not threading.main_thread():
             return
         previous = signal.getsignal(signal.SIGINT)
@@ -37,9 +62,18 @@ class HeldInterrupt:
         signal.signal(signal.SIGINT, self._note)
         self._previous = previous
 
+    def open(self) -> None:
+        """While held, let a SIGINT act at once until the next ``hold()``; one noted meanwhile acts now."""
+        if self._previous is None:
+            return
+        self._open = True
+        if self._received:
+            self._act()
+
     def release(self) -> None:
         """Put the handler back, keeping a SIGINT that came for ``deliver()``."""
         previous, self._previous = self._previous, None
+        self._open = False
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
 

@@ -48,6 +48,9 @@ class Recorder:
         self._recorded: weakref.ref[Any] | None = None
         self._attached = False
         self._earlier: set[int] = set()  # requests that had finished when the recorder attached: not this run's
+        # Attached by a widget for widgets alone: the last of them to close detaches it, so that an engine serving on
+        # keeps no recorder nobody reads. record() handing it out makes it the caller's, for good.
+        self.widgets_only = False
 
     # ------------------------------------------------------------------ live recording
     def attach(self, engine: Any) -> Recorder:
@@ -173,5 +176,6 @@ def record(engine: Any) -> Recorder:
     """The engine's recorder: the one already among its step listeners, else a new one attached to it."""
     for listener in getattr(engine, "step_listeners", ()):
         if isinstance(listener, Recorder):
+            listener.widgets_only = False
             return listener
     return Recorder().attach(engine)

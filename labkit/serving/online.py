@@ -78,16 +78,13 @@ def run_workload(
                     "the engine has unfinished requests but scheduled nothing, and the next step would do the"
                     " same: no request can run (a plugged-in scheduler that plans nothing?)"
                 )
+        return Run([engine.release(ids[i]) for i in range(len(workload))], reports)
     except BaseException:
-        for request_id in ids.values():
-            if engine.requests[request_id].finish_reason is None:
-                engine.abort(request_id)
-            del engine.requests[request_id]
+        engine.forget(ids.values())
         raise
     finally:
         if bar is not None:
             bar.close()
-    return Run([engine.release(ids[i]) for i in range(len(workload))], reports)
 
 
 def _wait_until(engine: Engine, t: float) -> None:

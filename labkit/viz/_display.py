@@ -79,10 +79,13 @@ class Displayable:
             recorder.subscribers.append(self._on_report)
 
     def close(self) -> None:
-        """Stop following live runs and close the widget."""
+        """Stop following live runs and close the widget; a recorder attached for widgets that none follows now is
+        detached (else it would keep every later step of an engine serving on)."""
         for recorder in self._recorders:
             if self._on_report in recorder.subscribers:  # a newer widget of this kind may have taken over
                 recorder.subscribers.remove(self._on_report)
+            if recorder.widgets_only and not recorder.subscribers and recorder.live:
+                recorder.detach()
         self._recorders = ()
         if self._widget is not None:
             self._widget.close()

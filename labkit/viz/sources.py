@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from labkit.core.trace import Recorder, record
+from labkit.core.trace import Recorder
 
 
 def run_origin(recorder: Recorder) -> float:
@@ -58,8 +58,13 @@ def as_recorder(source: Any) -> Recorder:
         return source
     if isinstance(source, (str, os.PathLike)):
         return Recorder.load(source)
-    if hasattr(source, "step_listeners"):
-        return record(source)
+    if hasattr(source, "step_listeners"):  # the engine's recorder, or one attached for widgets alone
+        for listener in source.step_listeners:
+            if isinstance(listener, Recorder):
+                return listener
+        recorder = Recorder().attach(source)
+        recorder.widgets_only = True
+        return recorder
     if isinstance(source, Iterable) and not isinstance(source, (bytes, Mapping)):
         reports = list(source)
         if any(hasattr(item, "step_listeners") for item in reports):

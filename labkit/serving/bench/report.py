@@ -128,7 +128,7 @@ TABLE_ROWS: list[tuple[str, Callable[[RunMetrics], str]]] = [
     ("peak KV usage", lambda m: "-" if m.peak_kv_usage is None else f"{m.peak_kv_usage:.1%}"),
     # The baselines report no steps, and no preemptions either: "-" rather than a 0 nobody counted.
     ("preemptions", lambda m: "-" if m.num_steps is None else str(m.total_preemptions)),
-    ("wasted slots", lambda m: "-" if m.wasted_slots is None else str(m.wasted_slots)),
+    ("wasted rows", lambda m: "-" if m.wasted_slots is None else str(m.wasted_slots)),
     ("prefill tokens", lambda m: "-" if m.num_prefill_tokens is None else str(m.num_prefill_tokens)),
     ("prefix-cache hits", lambda m: "-" if m.prefix_cache is None else f"{m.prefix_cache.hit_rate:.1%}"),
     ("steps", lambda m: "-" if m.num_steps is None else str(m.num_steps)),

@@ -122,7 +122,7 @@ def summarize(
     timed from its first request's arrival to its last finish, as ``run_metrics`` times it."""
     table = compact_table(f"continuous vs static on the same requests ({clock})")
     table.caption = "batch: requests computed per step, on average"
-    columns = ("policy", "steps", "time (s)", "tokens", "tokens/s", "batch", "wasted slots", "peak KV", "vs static")
+    columns = ("policy", "steps", "time (s)", "tokens", "tokens/s", "batch", "wasted rows", "peak KV", "vs static")
     for column in columns:
         table.add_column(column, justify="right")
     summaries = [

@@ -27,6 +27,7 @@ from conftest import Boom, engine_state
 import labkit.core
 import labkit.runtime.runner
 from labkit import Engine, EngineConfig, SamplingParams, SimulatedModel
+from labkit.core.scheduler import Scheduler
 from labkit.runtime.sampling import Sampler
 
 
@@ -971,60 +972,110 @@ CTRL_C_CONFIGS = {
         block_size=4, num_blocks=12, max_batch_tokens=16, enable_prefix_caching=True, scheduling="priority"
     ),
     "async scheduling": dict(block_size=4, num_blocks=12, max_batch_tokens=16, async_scheduling=True),
+    "async, prefix caching": dict(block_size=4, num_blocks=10, max_batch_tokens=16, async_scheduling=True,
+                                  enable_prefix_caching=True),
     "static": dict(block_size=4, num_blocks=24, max_batch_tokens=32, policy="static", max_num_seqs=2),
     "shortest-first": dict(block_size=4, num_blocks=9, max_batch_tokens=16, scheduling="shortest-first"),
-}
+}  # fmt: skip
 
 
-@pytest.mark.parametrize("name", list(CTRL_C_CONFIGS))
-def test_a_ctrl_c_before_any_line_of_a_run_loses_no_block_and_no_request(name):
-    """A SIGINT raised before a line of labkit's core runs during generate(), at every 3rd line it runs: wherever it
-    lands (adding a request, planning, taking blocks off the free queue, preempting, the model's run, the commit,
-    the clean-up, the final release), the run raises KeyboardInterrupt or ends, and then no request is left, every
-    block is free, and the engine serves the same run again. A Ctrl-C that landed between two of labkit's own
-    statements lost blocks for good (taken off the free queue before the journal knew), or left a request in the
-    scheduler and in no queue, which every later run tripped over."""
+def exercise_wrappers() -> dict[str, Any]:
+    """labkit's own cache and queue, plugged in through the exercises' wrappers: still labkit's code throughout."""
+    from labkit.core.prefix_cache import PrefixCache
+    from labkit.core.queues import ShortestFirstQueue
+    from labkit.exercises.ex8_block_hashing import allocator_for
+    from labkit.exercises.ex9_shortest_first import scheduler_for
+
+    return dict(allocator_cls=allocator_for(PrefixCache), scheduler_cls=scheduler_for(ShortestFirstQueue))
+
+
+@pytest.mark.parametrize(
+    ("name", "twice", "plugged"),
+    [*((name, False, False) for name in CTRL_C_CONFIGS), *((name, True, False) for name in CTRL_C_CONFIGS),
+     ("prefix caching, priority", False, True)],
+)  # fmt: skip
+def test_a_ctrl_c_before_any_line_of_a_run_loses_no_block_and_no_request(name, twice, plugged):
+    """A SIGINT raised before a line of labkit runs during generate(), at every 3rd line it runs (and, ``twice``,
+    another at one of the next few function entries after it, where Python handles signals: a Ctrl-C pressed twice):
+    wherever it lands (adding a request, planning, taking blocks off the free queue, preempting, the model's run, the
+    commit, the clean-up after the first, the final release), the run raises KeyboardInterrupt or ends, and then no
+    request is left, every block is free, and the engine serves the same run again. A Ctrl-C that landed between two
+    of labkit's own statements lost blocks for good (taken off the free queue before the journal knew), or left a
+    request in the scheduler and in no queue, which every later run tripped over; a second one cut the clean-up of
+    the first short. ``plugged``: labkit's own cache and queue through the exercises' wrappers, held as its core is."""
     import signal
     import sys
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     config = EngineConfig(**CTRL_C_CONFIGS[name])
+    parts = exercise_wrappers() if plugged else {}
+    if plugged:
+        config = dataclasses.replace(config, scheduling="shortest-first")
     prompts = [[5, 6, 7, 8, 9], [5, 6, 7, 8, 9, 10, 11, 12], [20, 21], [5, 6, 7, 8, 30, 31]]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True, priority=n % 2) for n in (6, 3, 8, 4)]
-    reference = [o.output_token_ids for o in Engine(SimulatedModel(), config).generate(prompts, params)]
-    core = str(Path(labkit.core.__file__).parent)
-    lines = [0]
-    fire_at = [-1]
+    reference = [o.output_token_ids for o in Engine(SimulatedModel(), config, **parts).generate(prompts, params)]
+    package = str(Path(labkit.__file__).parent)
+    state: dict[str, Any] = {}
 
     def tracer(frame: Any, event: str, arg: Any) -> Any:
-        if not frame.f_code.co_filename.startswith(core):
+        if not frame.f_code.co_filename.startswith(package):
             return None
-        if event == "line":
-            lines[0] += 1
-            if lines[0] == fire_at[0]:
+        if event == "line" and not state["fired"]:
+            state["lines"] += 1
+            if state["lines"] == state["at"]:
+                state["fired"] = True
                 signal.raise_signal(signal.SIGINT)  # as a Ctrl-C: handled before the line runs
+        elif event == "call" and state["fired"] and state["second"]:
+            state["second"] -= 1
+            if not state["second"]:
+                signal.raise_signal(signal.SIGINT)
         return tracer
 
-    def run(engine: Engine, at: int) -> None:
-        lines[0], fire_at[0] = 0, at
+    def run(engine: Engine, at: int) -> bool:
+        state.update(lines=0, at=at, fired=False, second=1 + (at * 7) % 9 if twice else 0)
         sys.settrace(tracer)
         try:
             engine.generate(prompts, params)
         except KeyboardInterrupt:
-            pass
+            return True
         finally:
             sys.settrace(None)
+        return False
 
-    run(Engine(SimulatedModel(), config), -1)
-    total, interrupted = lines[0], 0
+    run(Engine(SimulatedModel(), config, **parts), -1)
+    total, interrupted = state["lines"], 0
     for at in range(1, total + 1, 3):
-        engine = Engine(SimulatedModel(), config)
-        run(engine, at)
-        interrupted += lines[0] >= at
-        engine.report_aborts()
+        engine = Engine(SimulatedModel(), config, **parts)
+        raised = run(engine, at)
         where = f"SIGINT before line event {at} of {total}"
+        assert raised or not state["fired"], f"{where}: swallowed"
+        interrupted += raised
+        engine.report_aborts()
         assert not engine.scheduler.requests and not engine.requests, where
         assert engine.num_free_blocks == engine.num_blocks and not engine.allocator.block_tables, where
         assert [o.output_token_ids for o in engine.generate(prompts, params)] == reference, where
     assert interrupted > total // 4
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_ctrl_c_stops_a_plugged_in_commit_at_once():
+    """Around a plugged-in scheduler the commit is held too, but a learner's code stuck there must stay stoppable:
+    a second Ctrl-C acts at once (labkit's own code, never stuck, waits for both)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    reached = []
+
+    class StuckInTheCommit(Scheduler):
+        def update(self, *args: Any) -> Any:
+            signal.raise_signal(signal.SIGINT)  # held: the commit must finish
+            signal.raise_signal(signal.SIGINT)  # pressed again: out of it now
+            reached.append(True)  # what a learner's endless loop would never get past
+            return super().update(*args)
+
+    engine = Engine(SimulatedModel(), EngineConfig(block_size=4, num_blocks=8), scheduler_cls=StuckInTheCommit)
+    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2))
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert not reached
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

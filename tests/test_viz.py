@@ -518,6 +518,18 @@ def test_the_last_widget_closed_detaches_the_recorder_it_attached_but_not_one_ha
         assert mine.live and mine.reports and handed.live and handed.reports
 
 
+def test_request_spans_of_an_engine_read_its_recorder_and_attach_none() -> None:
+    """Spans of what was recorded: an engine without a recorder has none, and asking attaches nothing (a recorder
+    attached then would keep every later step for nobody)."""
+    engine = make_engine()
+    run(engine)
+    assert request_spans(engine) == []
+    assert not any(isinstance(listener, Recorder) for listener in engine.step_listeners)
+    recorder = record(engine)
+    run(engine, seed=1)
+    assert request_spans(engine) == request_spans(recorder) != []
+
+
 def test_blockmap_rejects_bad_input() -> None:
     with pytest.raises(TypeError, match="Engine, a Recorder"):
         BlockMap(42)

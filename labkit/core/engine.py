@@ -109,6 +109,12 @@ def make_runner(model: Any, config: EngineConfig, **parts: Any) -> Runner:
     return default_runner_factory(model, config, **parts)
 
 
+def _labkits_own(cls: type) -> bool:
+    """Whether every class ``cls`` is made of is labkit's: its core, or an exercise's wrapper around it (allocator_for
+    a labkit PrefixCache, say); a learner's subclass is not."""
+    return all(c is object or c.__module__.startswith("labkit.") for c in cls.__mro__)
+
+
 class Engine:
     """An inference engine that batches requests step by step over a paged KV cache."""
 
@@ -166,11 +172,12 @@ class Engine:
         self._ids = itertools.count()
         self._aborted: list[Request] = []  # aborted between steps: reported with the next step
         self._ahead: deque[_LaunchedStep] = deque()  # async scheduling: committed steps whose tokens are not read
-        self._commit_interrupt = HeldInterrupt()  # a Ctrl-C waits while labkit changes its state (interrupts.py)
-        # labkit's own allocator, scheduler and queue are planned and changed with a Ctrl-C held; plugged-in ones
-        # stay interruptible (a learner's loop), and only the commit around them is held.
+        # labkit's own allocator, scheduler and queue (an exercise's wrappers around them included) are planned and
+        # changed with a Ctrl-C held; plugged-in ones stay interruptible (a learner's loop): only the commit around
+        # them is held, and a second Ctrl-C acts at once even there (labkit/core/interrupts.py).
         parts = (self.allocator, self.scheduler, getattr(self.scheduler, "waiting", None), self.allocator.prefix_cache)
-        self._hold_bookkeeping = all(part is None or type(part).__module__.startswith("labkit.core.") for part in parts)
+        self._hold_bookkeeping = all(part is None or _labkits_own(type(part)) for part in parts)
+        self._commit_interrupt = HeldInterrupt(second_acts=not self._hold_bookkeeping)
 
     # ------------------------------------------------------------------ state
     @property
@@ -228,8 +235,12 @@ class Engine:
                 added = True
             return request_id
         except BaseException:
-            if added:  # a Ctrl-C, delivered once the request was in: the caller gets no id, so nothing is left added
-                self.forget([request_id], report=False)
+            while added:  # a Ctrl-C, delivered once the request was in: the caller gets no id, so nothing is left added
+                try:  # (a second Ctrl-C meanwhile: clean up all the same, then raise)
+                    self.forget([request_id], report=False)
+                    break
+                except KeyboardInterrupt:
+                    continue
             raise
 
     def check_request(
@@ -371,8 +382,13 @@ class Engine:
             held.hold()
             finished = scheduler.update(output, sampled, end)  # the commit
         except BaseException:
-            held.hold()
-            scheduler.rollback(output)
+            while True:  # the step is rolled back whatever comes: a Ctrl-C meanwhile is raised after it
+                try:
+                    held.hold()
+                    scheduler.rollback(output)
+                    break
+                except KeyboardInterrupt:
+                    continue
             held.deliver()
             raise
         try:
@@ -426,8 +442,13 @@ class Engine:
             else:
                 scheduler.rollback()  # planned, never run: nothing was written into its victims' blocks
         except BaseException:
-            held.hold()
-            scheduler.rollback(output)
+            while True:  # the step is rolled back whatever comes: a Ctrl-C meanwhile is raised after it
+                try:
+                    held.hold()
+                    scheduler.rollback(output)
+                    break
+                except KeyboardInterrupt:
+                    continue
             held.deliver()
             raise
         if not launch:
@@ -548,8 +569,13 @@ class Engine:
             return [self.release(request_id) for request_id in ids]
         except BaseException:
             # Refused before anything ran, the requests leave no trace; once running, the next StepReport shows
-            # them aborted, as engine.abort() does.
-            self.forget(ids, report=running)
+            # them aborted, as engine.abort() does. A second Ctrl-C meanwhile: clean up all the same, then raise.
+            while True:
+                try:
+                    self.forget(ids, report=running)
+                    break
+                except KeyboardInterrupt:
+                    continue
             raise
         finally:
             if bar is not None:

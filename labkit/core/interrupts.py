@@ -6,8 +6,8 @@ two statements: between taking a block off the free queue and recording it, say,
 good. So while labkit plans a step, commits it, or adds or aborts a request, a Ctrl-C is held and delivered once the
 state is whole. While the model runs, which is most of a step, a Ctrl-C acts at once: the step is rolled back.
 
-Plugged-in parts (an exercise's allocator, scheduler or queue) are never run with a Ctrl-C held: a learner's code
-stuck in a loop must stay interruptible, so around them only the commit is held.
+Plugged-in parts (an exercise's allocator, scheduler or queue) are never planned with a Ctrl-C held, and around them
+a second Ctrl-C acts at once even in the commit: a learner's code stuck in a loop must stay interruptible.
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ class HeldInterrupt:
     lets one act at once until the next ``hold()`` (and acts on one noted before). ``deliver()`` releases and, if
     one came, raises the signal again, so that it does then what it would have done (a KeyboardInterrupt in a
     terminal or a Jupyter kernel). Python runs signal handlers in the main thread only: elsewhere none can land, and
-    nothing is held. A hold costs two handler swaps, about 6 us; ``open()`` and a second ``hold()`` cost nothing."""
+    nothing is held. A hold costs two handler swaps, about 6 us; ``open()`` and a second ``hold()`` cost nothing.
+    With ``second_acts``, a second SIGINT while one is noted acts at once (a way out of code stuck while held)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, second_acts: bool = False) -> None:
         self._previous: Any = None  # the handler held off: a callable, SIG_DFL or SIG_IGN
         self._received = False
         self._open = False
+        self.second_acts = second_acts
 
     @property
     def holding(self) -> bool:
@@ -40,16 +42,21 @@ class HeldInterrupt:
         return self._received
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
-        if self._open:
-            self._act()
+        if self._open or (self._received and self.second_acts):
+            self._act(frame)
         else:
             self._received = True
 
-    def _act(self) -> None:
-        """Let the held-off handler handle a SIGINT now (a KeyboardInterrupt, normally), as if none had been held."""
-        self._received = False
-        self.release()
-        signal.raise_signal(signal.SIGINT)
+    def _act(self, frame: FrameType | None) -> None:
+        """Let the held-off handler handle a SIGINT now (a KeyboardInterrupt, normally), as if none had been held.
+        The hold stays on, closed: a second SIGINT while the caller cleans up is noted, not raised in the middle."""
+        self._received, self._open = False, False
+        previous = self._previous
+        if callable(previous):
+            previous(signal.SIGINT, frame)
+        elif previous == signal.SIG_DFL:  # the default action, which no Python code can run: raise it for real
+            self.release()
+            signal.raise_signal(signal.SIGINT)
 
     def hold(self) -> None:
         """Hold a SIGINT from now on; after ``open()``, hold again."""
@@ -68,7 +75,7 @@ class HeldInterrupt:
             return
         self._open = True
         if self._received:
-            self._act()
+            self._act(None)
 
     def release(self) -> None:
         """Put the handler back, keeping a SIGINT that came for ``deliver()``."""

@@ -80,7 +80,12 @@ def run_workload(
                 )
         return Run([engine.release(ids[i]) for i in range(len(workload))], reports)
     except BaseException:
-        engine.forget(ids.values())
+        while True:  # a second Ctrl-C meanwhile: clean up all the same, then raise
+            try:
+                engine.forget(ids.values())
+                break
+            except KeyboardInterrupt:
+                continue
         raise
     finally:
         if bar is not None:

@@ -52,8 +52,11 @@ def detached_on_error(sources: Iterable[Any]) -> Iterator[None]:
         raise
 
 
-def as_recorder(source: Any) -> Recorder:
-    """Accept what a widget can show: a Recorder, an Engine (live), a trace path, or a list of StepReports."""
+def as_recorder(source: Any, *, attach: bool = True) -> Recorder:
+    """Accept what a widget can show: a Recorder, an Engine (live), a trace path, or a list of StepReports.
+
+    An engine's recorder, or, where it has none, a new one: attached for widgets alone, or with ``attach=False`` left
+    unattached (empty: what the engine ran so far went unrecorded)."""
     if isinstance(source, Recorder):
         return source
     if isinstance(source, (str, os.PathLike)):
@@ -62,6 +65,8 @@ def as_recorder(source: Any) -> Recorder:
         for listener in source.step_listeners:
             if isinstance(listener, Recorder):
                 return listener
+        if not attach:
+            return Recorder()
         recorder = Recorder().attach(source)
         recorder.widgets_only = True
         return recorder

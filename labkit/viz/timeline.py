@@ -54,7 +54,7 @@ def request_spans(source: Any) -> list[Span]:
 
     A request whose arrival is unknown (a bare list of reports) is taken to have arrived when the run started.
     """
-    recorder = as_recorder(source)
+    recorder = as_recorder(source, attach=False)  # spans of what was recorded: attaching now would record nothing
     reports = recorder.reports
     if not reports:
         return []

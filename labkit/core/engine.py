@@ -382,7 +382,9 @@ class Engine:
             held.hold()
             finished = scheduler.update(output, sampled, end)  # the commit
         except BaseException:
-            while True:  # the step is rolled back whatever comes: a Ctrl-C meanwhile is raised after it
+            # The step is rolled back whatever comes: a Ctrl-C meanwhile is raised after it. (Written out here and in
+            # _launch, not a helper's: a function's entry is where Python raises a pending KeyboardInterrupt.)
+            while True:
                 try:
                     held.hold()
                     scheduler.rollback(output)
@@ -442,7 +444,7 @@ class Engine:
             else:
                 scheduler.rollback()  # planned, never run: nothing was written into its victims' blocks
         except BaseException:
-            while True:  # the step is rolled back whatever comes: a Ctrl-C meanwhile is raised after it
+            while True:  # rolled back whatever comes, as in step()
                 try:
                     held.hold()
                     scheduler.rollback(output)

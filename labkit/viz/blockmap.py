@@ -59,15 +59,16 @@ def request_color(request_id: int) -> str:
 class BlockMap(Displayable):
     """The KV cache as a heatmap, with the request table and the step's events beside it.
 
-    ``source`` is an Engine (live: the map follows each ``engine.step()``), a Recorder, a trace path
-    or a list of StepReports (replay). ``speed`` is in steps per second of playback; a live map redraws at
-    most every ``min_redraw_seconds`` (a GPU steps faster than a browser draws) and always when the
-    engine runs out of work. Attach a live map before the engine's first step: blocks taken earlier are
-    not in any report. A replayed cache of more than MAX_DRAWN_BLOCKS blocks is drawn from block 0 to the
-    last one the run ever used (the free queue hands blocks out in order), so that a GPU's tens of
-    thousands do not make a grey map of megabytes; the title says so. A live map of such a cache grows a
-    row at a time as the run uses more blocks. Either stops at MAX_DRAWN_BLOCKS, and its title then counts
-    the blocks in use past them: a map of every block costs a second a redraw.
+    ``source`` is an Engine (live: the map follows each ``engine.step()``), a Recorder, a trace path or a list of
+    StepReports (replay). Given an engine, the map reads its recorder, or attaches one for widgets that ``close()``
+    detaches once no widget follows it: ``labkit.viz.record(engine)`` gives one that stays. ``speed`` is in steps
+    per second of playback; a live map redraws at most every ``min_redraw_seconds`` (a GPU steps faster than a
+    browser draws) and always when the engine runs out of work. Attach a live map before the engine's first step:
+    blocks taken earlier are not in any report. A replayed cache of more than MAX_DRAWN_BLOCKS blocks is drawn from
+    block 0 to the last one the run ever used (the free queue hands blocks out in order), so that a GPU's tens of
+    thousands do not make a grey map of megabytes; the title says so. A live map of such a cache grows a row at a
+    time as the run uses more blocks. Either stops at MAX_DRAWN_BLOCKS, and its title then counts the blocks in use
+    past them: a map of every block costs a second a redraw.
     """
 
     def __init__(

@@ -989,10 +989,15 @@ def exercise_wrappers() -> dict[str, Any]:
     return dict(allocator_cls=allocator_for(PrefixCache), scheduler_cls=scheduler_for(ShortestFirstQueue))
 
 
+class LearnersScheduler(Scheduler):
+    """A learner's scheduler that changes nothing: plugged in, so that only labkit's own code is held around it."""
+
+
 @pytest.mark.parametrize(
     ("name", "twice", "plugged"),
-    [*((name, False, False) for name in CTRL_C_CONFIGS), *((name, True, False) for name in CTRL_C_CONFIGS),
-     ("prefix caching, priority", False, True)],
+    [*((name, False, None) for name in CTRL_C_CONFIGS), *((name, True, None) for name in CTRL_C_CONFIGS),
+     ("prefix caching, priority", False, "wrappers"), ("preempting", False, "learner's"),
+     ("async, prefix caching", False, "learner's")],
 )  # fmt: skip
 def test_a_ctrl_c_before_any_line_of_a_run_loses_no_block_and_no_request(name, twice, plugged):
     """A SIGINT raised before a line of labkit runs during generate(), at every 3rd line it runs (and, ``twice``,
@@ -1002,14 +1007,15 @@ def test_a_ctrl_c_before_any_line_of_a_run_loses_no_block_and_no_request(name, t
     request is left, every block is free, and the engine serves the same run again. A Ctrl-C that landed between two
     of labkit's own statements lost blocks for good (taken off the free queue before the journal knew), or left a
     request in the scheduler and in no queue, which every later run tripped over; a second one cut the clean-up of
-    the first short. ``plugged``: labkit's own cache and queue through the exercises' wrappers, held as its core is."""
+    the first short. ``plugged``: labkit's own cache and queue through the exercises' wrappers, held as its core is;
+    or a learner's scheduler, around which labkit's own code is held (the learner's acts at once: see below)."""
     import signal
     import sys
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     config = EngineConfig(**CTRL_C_CONFIGS[name])
-    parts = exercise_wrappers() if plugged else {}
-    if plugged:
+    parts = {None: {}, "wrappers": exercise_wrappers(), "learner's": {"scheduler_cls": LearnersScheduler}}[plugged]
+    if plugged == "wrappers":
         config = dataclasses.replace(config, scheduling="shortest-first")
     prompts = [[5, 6, 7, 8, 9], [5, 6, 7, 8, 9, 10, 11, 12], [20, 21], [5, 6, 7, 8, 30, 31]]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True, priority=n % 2) for n in (6, 3, 8, 4)]
@@ -1058,24 +1064,153 @@ def test_a_ctrl_c_before_any_line_of_a_run_loses_no_block_and_no_request(name, t
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_a_second_ctrl_c_stops_a_plugged_in_commit_at_once():
-    """Around a plugged-in scheduler the commit is held too, but a learner's code stuck there must stay stoppable:
-    a second Ctrl-C acts at once (labkit's own code, never stuck, waits for both)."""
+@pytest.mark.parametrize("where", ["schedule", "update"])
+def test_a_ctrl_c_in_a_learners_code_acts_at_once(where):
+    """Around a plugged-in scheduler only labkit's own code is held: a learner's code stuck in a loop, in the planning
+    or in the commit, stops at the first Ctrl-C, the step is rolled back, and the engine serves the run again."""
     import signal
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    reached = []
+    reached, armed = [], [True]
 
-    class StuckInTheCommit(Scheduler):
+    class StuckInALoop(Scheduler):
+        def schedule(self) -> Any:
+            output = super().schedule()
+            if where == "schedule":
+                self.stuck()
+            return output
+
         def update(self, *args: Any) -> Any:
-            signal.raise_signal(signal.SIGINT)  # held: the commit must finish
-            signal.raise_signal(signal.SIGINT)  # pressed again: out of it now
-            reached.append(True)  # what a learner's endless loop would never get past
+            if where == "update":
+                self.stuck()
             return super().update(*args)
 
-    engine = Engine(SimulatedModel(), EngineConfig(block_size=4, num_blocks=8), scheduler_cls=StuckInTheCommit)
-    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2))
+        def stuck(self) -> None:
+            if armed[0]:
+                armed[0] = False
+                signal.raise_signal(signal.SIGINT)  # a Ctrl-C, handled in the learner's code
+                reached.append(True)  # what a learner's endless loop would never get past
+
+    config = EngineConfig(block_size=4, num_blocks=8)
+    prompts, params = [[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=3, ignore_eos=True)
+    reference = [o.output_token_ids for o in Engine(SimulatedModel(), config).generate(prompts, params)]
+    engine = Engine(SimulatedModel(), config, scheduler_cls=StuckInALoop)
     with pytest.raises(KeyboardInterrupt):
-        engine.step()
+        engine.generate(prompts, params)
     assert not reached
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    engine.report_aborts()
+    assert not engine.requests and engine.num_free_blocks == engine.num_blocks
+    assert [o.output_token_ids for o in engine.generate(prompts, params)] == reference
+
+
+def fire_at_lines(lines: set[int], within: str, seen: list[int] | None = None) -> Callable[..., Any]:
+    """A tracer that raises a SIGINT, as a Ctrl-C would land, before the given line events of labkit's ``within``
+    (counted in ``seen``)."""
+    import signal
+
+    seen = [0] if seen is None else seen
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code.co_name != within:
+            return tracer if event == "call" else None
+        if event == "line":
+            seen[0] += 1
+            if seen[0] in lines:
+                signal.raise_signal(signal.SIGINT)
+        return tracer
+
+    return tracer
+
+
+@pytest.mark.parametrize("stuck", [False, True])
+def test_a_ctrl_c_held_long_around_a_learners_part_lets_the_next_act(monkeypatch, stuck):
+    """Around a plugged-in part labkit's own code is held, and a second Ctrl-C too, unless the first has been held
+    for ``STUCK_SECONDS``: the way out of a learner's loop that spends its time in labkit's calls. (Pressed twice
+    at once, both wait for labkit's code to end, which leaves nothing half done.)"""
+    import signal
+    import sys
+
+    import labkit.core.interrupts
+
+    monkeypatch.setattr(labkit.core.interrupts, "STUCK_SECONDS", 0.0 if stuck else 60.0)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    engine = Engine(SimulatedModel(), EngineConfig(block_size=4, num_blocks=8), scheduler_cls=LearnersScheduler)
+    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2))
+    lines = [0]
+    sys.settrace(fire_at_lines({2, 3}, "schedule", lines))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()
+    finally:
+        sys.settrace(None)
+    # Noted before the 2nd line of Scheduler.schedule; stuck, the next raised before the 3rd line; else both held.
+    assert lines[0] == 3 if stuck else lines[0] > 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert not engine._held.pending
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("scheduler_cls", [Scheduler, LearnersScheduler])
+def test_a_ctrl_c_pressed_again_as_the_held_one_waits_comes_once(async_scheduling, scheduler_cls):
+    """A Ctrl-C held in the commit, then another as the step publishes its report, before the first is delivered:
+    one KeyboardInterrupt, and nothing left noted. The first once stayed noted and came out of a later run."""
+    import signal
+    import sys
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    config = EngineConfig(block_size=4, num_blocks=12, max_batch_tokens=16, async_scheduling=async_scheduling)
+    prompts, params = [[5, 6, 7, 8, 9], [20, 21], [5, 6, 7, 30]], SamplingParams(max_new_tokens=6, ignore_eos=True)
+    reference = [o.output_token_ids for o in Engine(SimulatedModel(), config).generate(prompts, params)]
+    engine = Engine(SimulatedModel(), config, scheduler_cls=scheduler_cls)
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    engine.step()
+    commit = fire_at_lines({3}, "resolve" if async_scheduling else "update")
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call" and frame.f_code.co_name == "_publish_then_deliver":
+            assert engine._held.pending  # the first, held
+            signal.raise_signal(signal.SIGINT)  # and again, where Python handles signals: a function's entry
+            return None
+        return commit(frame, event, arg)
+
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for _ in range(3):
+                engine.step()
+    finally:
+        sys.settrace(None)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert not engine._held.pending
+    engine.forget(ids)
+    assert [o.output_token_ids for o in engine.generate(prompts, params)] == reference
+
+
+@pytest.mark.parametrize("run", ["generate", "run_workload"])
+def test_a_ctrl_c_as_add_request_returns_leaves_no_request(monkeypatch, run):
+    """A KeyboardInterrupt after add_request has returned, before its caller keeps the id (Python 3.10 can raise one
+    there): the run still forgets the request."""
+    from labkit.serving.online import run_workload
+    from labkit.serving.workloads import WorkloadRequest
+
+    engine = Engine(SimulatedModel(), EngineConfig(block_size=4, num_blocks=8))
+    add_request, calls = engine.add_request, [0]
+
+    def interrupted_on_return(*args: Any, **kwargs: Any) -> int:
+        request_id = add_request(*args, **kwargs)
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return request_id
+
+    monkeypatch.setattr(engine, "add_request", interrupted_on_return)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12]]
+    with pytest.raises(KeyboardInterrupt):
+        if run == "generate":
+            engine.generate(prompts, SamplingParams(max_new_tokens=2))
+        else:
+            run_workload(engine, [WorkloadRequest(prompt, 2) for prompt in prompts])
+    engine.report_aborts()
+    assert not engine.requests and not engine.scheduler.requests
+    assert engine.num_free_blocks == engine.num_blocks

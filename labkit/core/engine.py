@@ -172,12 +172,12 @@ class Engine:
         self._ids = itertools.count()
         self._aborted: list[Request] = []  # aborted between steps: reported with the next step
         self._ahead: deque[_LaunchedStep] = deque()  # async scheduling: committed steps whose tokens are not read
-        # labkit's own allocator, scheduler and queue (an exercise's wrappers around them included) are planned and
-        # changed with a Ctrl-C held; plugged-in ones stay interruptible (a learner's loop): only the commit around
-        # them is held, and a second Ctrl-C acts at once even there (labkit/core/interrupts.py).
+        # The engine plans and changes its state with a Ctrl-C held. Around a plugged-in part (a learner's, not an
+        # exercise's wrapper around labkit's own) only labkit's code is held, so that a learner's loop stays
+        # interruptible (labkit/core/interrupts.py).
         parts = (self.allocator, self.scheduler, getattr(self.scheduler, "waiting", None), self.allocator.prefix_cache)
-        self._hold_bookkeeping = all(part is None or _labkits_own(type(part)) for part in parts)
-        self._commit_interrupt = HeldInterrupt(second_acts=not self._hold_bookkeeping)
+        plugged_in = not all(part is None or _labkits_own(type(part)) for part in parts)
+        self._held = HeldInterrupt(labkit_code_only=plugged_in)
 
     # ------------------------------------------------------------------ state
     @property
@@ -278,10 +278,10 @@ class Engine:
 
     @contextmanager
     def _held_bookkeeping(self) -> Iterator[None]:
-        """Change labkit's own state between steps with a Ctrl-C held, and deliver it after (nothing is held for
-        plugged-in parts, or inside a hold already on)."""
-        held = self._commit_interrupt
-        if not self._hold_bookkeeping or held.holding:
+        """Change the engine's state between steps with a Ctrl-C held, and deliver it after (inside a hold already
+        on, that one delivers it)."""
+        held = self._held
+        if held.holding:
             yield
             return
         held.hold()
@@ -368,10 +368,9 @@ class Engine:
         """
         if self.config.async_scheduling:
             return self._step_ahead()
-        scheduler, held = self.scheduler, self._commit_interrupt
+        scheduler, held = self.scheduler, self._held
         output = None
-        if self._hold_bookkeeping:
-            held.hold()  # planning: a Ctrl-C waits for the model's run, where it stops the step at once
+        held.hold()  # planning: a Ctrl-C waits for the model's run, where it stops the step at once
         try:
             output = scheduler.schedule()
             free_in_step = self.allocator.num_free_blocks  # the step's blocks taken, none given back yet
@@ -398,8 +397,9 @@ class Engine:
             finished[:0] = self._aborted
             self._aborted = []
             report = self._report(output, sampled, finished, start, end, self._report_state(free_in_step))
-        finally:
-            held.release()
+        except BaseException:
+            held.deliver()
+            raise
         return self._publish_then_deliver(report)
 
     def _step_ahead(self) -> StepReport:
@@ -425,10 +425,9 @@ class Engine:
 
         Returns False, having changed nothing, when there is nothing to run and ``keep_empty`` is false.
         """
-        scheduler, runner, held = self.scheduler, cast(AsyncRunner, self.runner), self._commit_interrupt
+        scheduler, runner, held = self.scheduler, cast(AsyncRunner, self.runner), self._held
         output = None
-        if self._hold_bookkeeping:
-            held.hold()  # planning: a Ctrl-C waits for the launch, where it stops the step at once
+        held.hold()  # planning: a Ctrl-C waits for the launch, where it stops the step at once
         try:
             output = scheduler.schedule()
             free_in_step = self.allocator.num_free_blocks  # the step's blocks taken, none given back yet
@@ -469,7 +468,7 @@ class Engine:
         sampled = [] if step.handle is None else runner.collect(step.handle)
         ready = None if step.handle is None else runner.ready_time(step.handle)
         end = self.clock() if ready is None else ready  # not the next step's time, which may have run since
-        self._commit_interrupt.hold()
+        self._held.hold()
         try:
             kept, stopped = self.scheduler.resolve(step.output, sampled, end)  # all or nothing, and then committed
             self._ahead.popleft()
@@ -482,8 +481,9 @@ class Engine:
             finished = self._aborted + step.finished + [r for r in stopped if r not in step.finished]
             self._aborted = []
             report = self._report(step.output, kept, finished, step.start, end, step.state)
-        finally:
-            self._commit_interrupt.release()
+        except BaseException:
+            self._held.deliver()
+            raise
         return self._publish_then_deliver(report)
 
     def _note_given_back(self, step: _LaunchedStep) -> None:
@@ -503,11 +503,12 @@ class Engine:
 
     def _publish_then_deliver(self, report: StepReport) -> StepReport:
         """Publish a committed step's report, then raise a Ctrl-C held during its commit: the listeners see every
-        step, and the handler is back in place while they run, so a Ctrl-C in one of them acts at once."""
+        step, and the hold is released while they run, so a Ctrl-C in one of them acts at once."""
         try:
+            self._held.release()
             return self._publish(report)
         finally:
-            self._commit_interrupt.deliver()
+            self._held.deliver()
 
     def _publish(self, report: StepReport) -> StepReport:
         """Hand the report to every step listener (after the commit: one that raises does not undo the step)."""
@@ -546,6 +547,7 @@ class Engine:
         elif len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         self.report_aborts()
+        known = set(self.requests)  # what this call adds is cleaned up, an id that never reached ``ids`` included
         ids: list[int] = []
         running, bar = False, None
         try:
@@ -574,7 +576,7 @@ class Engine:
             # them aborted, as engine.abort() does. A second Ctrl-C meanwhile: clean up all the same, then raise.
             while True:
                 try:
-                    self.forget(ids, report=running)
+                    self.forget([i for i in self.requests if i not in known], report=running)
                     break
                 except KeyboardInterrupt:
                     continue

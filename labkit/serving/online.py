@@ -50,6 +50,7 @@ def run_workload(
             raise kind(f"workload request {index}: {error}") from None
     engine.report_aborts()  # an earlier run cut short: its ends are reported before this run, not in it
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival_time)
+    known = set(engine.requests)  # what this run adds is cleaned up, an id that never reached ``ids`` included
     start = engine.clock()
     ids: dict[int, int] = {}  # workload index -> request id
     reports = []
@@ -82,7 +83,7 @@ def run_workload(
     except BaseException:
         while True:  # a second Ctrl-C meanwhile: clean up all the same, then raise
             try:
-                engine.forget(ids.values())
+                engine.forget([i for i in engine.requests if i not in known])
                 break
             except KeyboardInterrupt:
                 continue

@@ -1064,10 +1064,10 @@ def test_a_ctrl_c_before_any_line_of_a_run_loses_no_block_and_no_request(name, t
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-@pytest.mark.parametrize("where", ["schedule", "update"])
-def test_a_ctrl_c_in_a_learners_code_acts_at_once(where):
-    """Around a plugged-in scheduler only labkit's own code is held: a learner's code stuck in a loop, in the planning
-    or in the commit, stops at the first Ctrl-C, the step is rolled back, and the engine serves the run again."""
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_ctrl_c_in_a_learners_code_while_a_step_is_planned_acts_at_once(async_scheduling):
+    """Around a plugged-in scheduler a Ctrl-C that lands in the learner's code while a step is planned acts at once (a
+    loop there stops at the first press), the step is rolled back, and the engine serves the run again."""
     import signal
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -1076,22 +1076,13 @@ def test_a_ctrl_c_in_a_learners_code_acts_at_once(where):
     class StuckInALoop(Scheduler):
         def schedule(self) -> Any:
             output = super().schedule()
-            if where == "schedule":
-                self.stuck()
-            return output
-
-        def update(self, *args: Any) -> Any:
-            if where == "update":
-                self.stuck()
-            return super().update(*args)
-
-        def stuck(self) -> None:
             if armed[0]:
                 armed[0] = False
                 signal.raise_signal(signal.SIGINT)  # a Ctrl-C, handled in the learner's code
                 reached.append(True)  # what a learner's endless loop would never get past
+            return output
 
-    config = EngineConfig(block_size=4, num_blocks=8)
+    config = EngineConfig(block_size=4, num_blocks=8, async_scheduling=async_scheduling)
     prompts, params = [[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=3, ignore_eos=True)
     reference = [o.output_token_ids for o in Engine(SimulatedModel(), config).generate(prompts, params)]
     engine = Engine(SimulatedModel(), config, scheduler_cls=StuckInALoop)
@@ -1101,6 +1092,77 @@ def test_a_ctrl_c_in_a_learners_code_acts_at_once(where):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     engine.report_aborts()
     assert not engine.requests and engine.num_free_blocks == engine.num_blocks
+    assert [o.output_token_ids for o in engine.generate(prompts, params)] == reference
+
+
+@pytest.mark.parametrize(
+    ("method", "async_scheduling"),
+    [("add", False), ("remove", False), ("forget", False), ("__len__", False), ("__len__", True), ("forget", True)],
+)
+def test_a_ctrl_c_in_a_learners_queue_called_mid_change_waits_for_its_end(method, async_scheduling):
+    """labkit's scheduler calls a learner's queue in the middle of its own changes: adding a request, committing a
+    step (after the allocator's point of no return), reading its length for the step's report before the step is
+    queued as launched (async scheduling). A Ctrl-C landing there waits for the change to end: one
+    KeyboardInterrupt, no block or request lost, the same tokens on the next run. Acting at once, it lost blocks,
+    left a request in no queue, or a launched step for ever unread."""
+    import signal
+
+    from labkit.core.queues import ShortestFirstQueue
+    from labkit.exercises.ex9_shortest_first import scheduler_for
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    armed, landed = [False], [False]
+
+    def land_here() -> None:
+        if armed[0]:
+            armed[0], landed[0] = False, True
+            signal.raise_signal(signal.SIGINT)  # a Ctrl-C, handled at the learner's method's entry
+
+    class LearnersQueue(ShortestFirstQueue):
+        def add(self, *args: Any) -> None:
+            if method == "add":
+                land_here()
+            super().add(*args)
+
+        def remove(self, request: Any) -> None:
+            if method == "remove":
+                land_here()
+            super().remove(request)
+
+        def forget(self, request: Any) -> None:
+            if method == "forget":
+                land_here()
+            super().forget(request)
+
+        def __len__(self) -> int:
+            if method == "__len__":
+                land_here()
+            return super().__len__()
+
+    config = EngineConfig(
+        block_size=4, num_blocks=9, max_batch_tokens=16, scheduling="shortest-first", async_scheduling=async_scheduling
+    )
+    prompts = [[5, 6, 7, 8, 9], [20, 21], [5, 6, 7, 30]]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 6, 4)]
+    reference = [o.output_token_ids for o in Engine(SimulatedModel(), config).generate(prompts, params)]
+    engine = Engine(SimulatedModel(), config, scheduler_cls=scheduler_for(LearnersQueue))
+    if method == "add":
+        armed[0] = True
+    for name in ("update", "resolve") if method != "add" else ():  # armed in the commits, where the queues change
+        commit = getattr(engine.scheduler, name)
+
+        def armed_commit(*args: Any, commit: Callable[..., Any] = commit) -> Any:
+            armed[0] = not landed[0]
+            return commit(*args)
+
+        setattr(engine.scheduler, name, armed_commit)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompts, params)
+    assert landed[0]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    engine.report_aborts()
+    assert not engine.requests and not engine.scheduler.requests
+    assert engine.num_free_blocks == engine.num_blocks and not engine.allocator.block_tables
     assert [o.output_token_ids for o in engine.generate(prompts, params)] == reference
 
 
@@ -1146,6 +1208,10 @@ def test_a_ctrl_c_held_long_around_a_learners_part_lets_the_next_act(monkeypatch
         sys.settrace(None)
     # Noted before the 2nd line of Scheduler.schedule; stuck, the next raised before the 3rd line; else both held.
     assert lines[0] == 3 if stuck else lines[0] > 3
+    assert engine.cut_short == stuck  # stopped half-way in labkit's code, the engine refuses to go on
+    if stuck:
+        with pytest.raises(RuntimeError, match="make a new Engine"):
+            engine.step()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert not engine._held.pending
 
@@ -1214,3 +1280,28 @@ def test_a_ctrl_c_as_add_request_returns_leaves_no_request(monkeypatch, run):
     engine.report_aborts()
     assert not engine.requests and not engine.scheduler.requests
     assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_a_debugger_that_puts_labkits_handler_back_later_leaves_ctrl_c_working():
+    """pdb, stopped in a learner's part while a step is held, saves labkit's handler and puts it back at its next
+    stop, after the hold has ended. That handler then acts as Python's own, and the next hold puts Python's own back:
+    a Ctrl-C is never swallowed."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    saved = []
+
+    class DebuggedScheduler(Scheduler):
+        def schedule(self) -> Any:
+            if not saved:  # a debugger's own handler while it runs, as pdb's `continue` installs it
+                saved.append(signal.signal(signal.SIGINT, lambda *args: None))
+            return super().schedule()
+
+    engine = Engine(SimulatedModel(), EngineConfig(block_size=4, num_blocks=8), scheduler_cls=DebuggedScheduler)
+    prompts, params = [[5, 6, 7]], SamplingParams(max_new_tokens=2, ignore_eos=True)
+    engine.generate(prompts, params)
+    signal.signal(signal.SIGINT, saved[0])  # the debugger's next stop puts back what it saved: labkit's handler
+    with pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)
+    engine.generate(prompts, params)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

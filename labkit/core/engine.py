@@ -109,10 +109,11 @@ def make_runner(model: Any, config: EngineConfig, **parts: Any) -> Runner:
     return default_runner_factory(model, config, **parts)
 
 
-def _labkits_own(cls: type) -> bool:
-    """Whether every class ``cls`` is made of is labkit's: its core, or an exercise's wrapper around it (allocator_for
-    a labkit PrefixCache, say); a learner's subclass is not."""
-    return all(c is object or c.__module__.startswith("labkit.") for c in cls.__mro__)
+def _learners_modules(parts: Iterable[object]) -> set[str]:
+    """The modules of the classes that plugged-in parts are made of, other than labkit's (its core, or an exercise's
+    wrapper around it: allocator_for a labkit PrefixCache, say): a learner's subclass, or class of their own."""
+    classes = (c for part in parts if part is not None for c in type(part).__mro__ if c is not object)
+    return {c.__module__ for c in classes if not c.__module__.startswith("labkit.")}
 
 
 class Engine:
@@ -172,12 +173,10 @@ class Engine:
         self._ids = itertools.count()
         self._aborted: list[Request] = []  # aborted between steps: reported with the next step
         self._ahead: deque[_LaunchedStep] = deque()  # async scheduling: committed steps whose tokens are not read
-        # The engine plans and changes its state with a Ctrl-C held. Around a plugged-in part (a learner's, not an
-        # exercise's wrapper around labkit's own) only labkit's code is held, so that a learner's loop stays
-        # interruptible (labkit/core/interrupts.py).
+        # The engine plans and changes its state with a Ctrl-C held; one that lands in a learner's plugged-in part
+        # while a step is planned acts at once, so that their loop stays interruptible (labkit/core/interrupts.py).
         parts = (self.allocator, self.scheduler, getattr(self.scheduler, "waiting", None), self.allocator.prefix_cache)
-        plugged_in = not all(part is None or _labkits_own(type(part)) for part in parts)
-        self._held = HeldInterrupt(labkit_code_only=plugged_in)
+        self._held = HeldInterrupt(learners_modules=_learners_modules(parts))
 
     # ------------------------------------------------------------------ state
     @property
@@ -198,6 +197,20 @@ class Engine:
     def device_name(self) -> str:
         return self.runner.device_name
 
+    @property
+    def cut_short(self) -> bool:
+        """Whether a Ctrl-C stopped labkit's own code half-way: pressed again once one had waited
+        ``STUCK_SECONDS`` for a learner's plugged-in part (the way out of a loop). The blocks and queues may then
+        not add up, and the engine refuses to go on: make a new one."""
+        return self._held.cut_short
+
+    def _refuse_if_cut_short(self) -> None:
+        if self._held.cut_short:
+            raise RuntimeError(
+                "a second Ctrl-C stopped labkit's own code half-way (the first had waited for your plugged-in part):"
+                " this engine's blocks and queues may not add up; make a new Engine"
+            )
+
     def has_unfinished(self) -> bool:
         """Whether ``step()`` has work left: unfinished requests, steps launched ahead (async scheduling), or aborts
         that no StepReport has listed yet, so that a ``while engine.has_unfinished(): engine.step()`` loop reports
@@ -217,6 +230,7 @@ class Engine:
         Everything about the request is checked here (``check_request``), so a bad request is refused with a
         ValueError/TypeError before it touches the cache, and the other requests carry on.
         """
+        self._refuse_if_cut_short()
         token_ids, params = self.check_request(prompt, params)
         now = self.clock() if arrival_time is None else _arrival_time(arrival_time, self.clock())
         request_id = next(self._ids)
@@ -366,11 +380,12 @@ class Engine:
         launched (the first call launches two), so the report that comes back is one step behind the
         model. A call that raises has launched nothing new, or finished nothing, and the next one goes on.
         """
+        self._refuse_if_cut_short()
         if self.config.async_scheduling:
             return self._step_ahead()
         scheduler, held = self.scheduler, self._held
         output = None
-        held.hold()  # planning: a Ctrl-C waits for the model's run, where it stops the step at once
+        held.hold(learners_code_acts=True)  # planning: a Ctrl-C waits for the model's run, where it stops the step
         try:
             output = scheduler.schedule()
             free_in_step = self.allocator.num_free_blocks  # the step's blocks taken, none given back yet
@@ -427,7 +442,7 @@ class Engine:
         """
         scheduler, runner, held = self.scheduler, cast(AsyncRunner, self.runner), self._held
         output = None
-        held.hold()  # planning: a Ctrl-C waits for the launch, where it stops the step at once
+        held.hold(learners_code_acts=True)  # planning: a Ctrl-C waits for the launch, where it stops the step
         try:
             output = scheduler.schedule()
             free_in_step = self.allocator.num_free_blocks  # the step's blocks taken, none given back yet
@@ -589,7 +604,9 @@ class Engine:
     def forget(self, request_ids: Iterable[int], *, report: bool = True) -> None:
         """Abort these requests where unfinished (freeing their blocks) and drop them from ``requests``: how a run
         cut short cleans up. Ids already released are skipped. ``report=False`` also takes their aborts off the
-        next StepReport: nobody ever saw them run."""
+        next StepReport: nobody ever saw them run. An engine cut short (``cut_short``) is left as it is."""
+        if self._held.cut_short:
+            return
         request_ids = list(request_ids)
         with self._held_bookkeeping():  # a second Ctrl-C during the clean-up waits for its end
             for request_id in request_ids:

@@ -6,10 +6,11 @@ two statements: between taking a block off the free queue and recording it, say,
 good. So while labkit plans a step, commits it, or adds or aborts a request, a Ctrl-C is held and delivered once the
 state is whole. While the model runs, which is most of a step, a Ctrl-C acts at once: the step is rolled back.
 
-Around plugged-in parts (an exercise's allocator, scheduler or queue) only labkit's own code is held: a Ctrl-C that
-lands in a learner's code acts at once, which leaves labkit's own parts whole, as they are between two of its calls.
-A learner's loop that spends its time in labkit's calls is stopped by a second Ctrl-C: one held that long (labkit's
-own code takes microseconds) means the code is stuck.
+Around a learner's plugged-in part (an exercise's allocator, scheduler or queue), a Ctrl-C that lands in the
+learner's code while a step is planned acts at once too: planning is rolled back whatever a part raises, so the
+learner's loop stops at the first press. Everywhere else (the commit, adding, aborting, cleaning up) labkit's state
+is half changed while it calls the learner's code, and a Ctrl-C waits. One that has waited ``STUCK_SECONDS`` means
+the code is stuck: the next acts at once wherever it lands, and the engine, cut short, refuses to go on.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Collection
 from types import FrameType
 from typing import Any
 
@@ -32,17 +34,19 @@ class HeldInterrupt:
     runs signal handlers in the main thread only: elsewhere none can land, and nothing is held. A hold costs two
     handler swaps, about 6 us; ``open()`` and a second ``hold()`` cost nothing.
 
-    With ``labkit_code_only``, a SIGINT acts at once where the code running is not labkit's (a learner's part
-    plugged in), and so does one that comes ``STUCK_SECONDS`` after one was noted (a way out of code stuck while
-    held)."""
+    ``learners_modules`` names the modules of a learner's plugged-in parts. In a hold with ``learners_code_acts``, a
+    SIGINT that lands in their code acts at once; in any hold, one that comes ``STUCK_SECONDS`` after one was noted
+    acts at once and sets ``cut_short``."""
 
-    def __init__(self, *, labkit_code_only: bool = False) -> None:
+    def __init__(self, *, learners_modules: Collection[str] = ()) -> None:
         self._previous: Any = None  # the handler held off (a callable, SIG_DFL or SIG_IGN) while ours is in place
         self._received = False
         self._noted_at = 0.0
         self._open = False
         self._released = False  # released with a SIGINT noted, which waits for deliver(): ours stays in place
-        self.labkit_code_only = labkit_code_only
+        self._learners_code_acts = False
+        self.learners_modules = frozenset(learners_modules)
+        self.cut_short = False  # a SIGINT acted in the middle of a held change: the state may not add up
 
     @property
     def holding(self) -> bool:
@@ -54,15 +58,19 @@ class HeldInterrupt:
         return self._received
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
-        if self._released or self._open or (self.labkit_code_only and self._learners_code_runs(frame)):
+        if self._previous is None:  # left installed by someone else's restore (a debugger's): act as Python's own
+            signal.default_int_handler(signum, frame)
+        elif self._released or self._open or self._in_learners_turn(frame):
+            self._act(frame)
+        elif self.learners_modules and self._received and time.monotonic() - self._noted_at >= STUCK_SECONDS:
+            self.cut_short = True  # the way out of a learner's loop, at the cost of the engine
             self._act(frame)
         elif not self._received:
             self._received, self._noted_at = True, time.monotonic()
 
-    def _learners_code_runs(self, frame: FrameType | None) -> bool:
-        """Whether the code that a SIGINT interrupts is a learner's: not labkit's, or stuck since one was noted."""
-        stuck = self._received and time.monotonic() - self._noted_at >= STUCK_SECONDS
-        return stuck or not _in_labkit(frame)
+    def _in_learners_turn(self, frame: FrameType | None) -> bool:
+        """Whether a SIGINT landed in a learner's part while a step is planned."""
+        return self._learners_code_acts and _in_learners_code(frame, self.learners_modules)
 
     def _act(self, frame: FrameType | None) -> None:
         """Let the held-off handler handle a SIGINT now (a KeyboardInterrupt, normally), as if none had been held;
@@ -80,17 +88,25 @@ class HeldInterrupt:
             self._restore()
             signal.raise_signal(signal.SIGINT)
 
-    def hold(self) -> None:
-        """Hold a SIGINT from now on; after ``open()`` or ``release()``, hold again."""
+    def hold(self, *, learners_code_acts: bool = False) -> None:
+        """Hold a SIGINT from now on; after ``open()`` or ``release()``, hold again. ``learners_code_acts``: let
+        one that lands in a learner's part act at once (while a step is planned, which is rolled back whatever)."""
         self._open = self._released = False
+        self._learners_code_acts = learners_code_acts
         if self._previous is not None or threading.current_thread() is not threading.main_thread():
             return
         previous = signal.getsignal(signal.SIGINT)
         if previous is None:  # a handler installed outside Python, which could not be put back: leave it be
             return
+        if getattr(previous, "__func__", None) is HeldInterrupt._note:  # one a debugger put back: Python's own
+            previous = signal.default_int_handler
         self._received = False  # one noted before and never delivered was a Ctrl-C whose KeyboardInterrupt came
-        signal.signal(signal.SIGINT, self._note)
-        self._previous = previous
+        self._previous = previous  # before the swap: a SIGINT right after it is ours, and noted
+        try:
+            signal.signal(signal.SIGINT, self._note)
+        except BaseException:  # one pending was handled by the handler still in place
+            self._previous = None
+            raise
 
     def open(self) -> None:
         """While held, let a SIGINT act at once until the next ``hold()``; one noted meanwhile acts now."""
@@ -116,25 +132,30 @@ class HeldInterrupt:
             signal.raise_signal(signal.SIGINT)
 
     def _restore(self) -> None:
-        """Put the held-off handler back. One SIGINT pending as it goes back is handled by ours first."""
+        """Put the held-off handler back, unless someone has put their own in ours' place meanwhile (a debugger,
+        which puts ours back later: it then acts as Python's own). One SIGINT pending as it goes back is handled by
+        ours first."""
         self._open = self._released = False
         previous = self._previous
         if previous is None:
             return
         try:
-            signal.signal(signal.SIGINT, previous)
+            if signal.getsignal(signal.SIGINT) == self._note:
+                signal.signal(signal.SIGINT, previous)
         finally:
             self._previous = None
 
 
-def _in_labkit(frame: FrameType | None) -> bool:
-    """Whether labkit's own code is running in ``frame``: the innermost frame that is not the standard library's,
-    nor code it generated (a namedtuple's ``__new__``), nor a tracer's (a debugger's), is labkit's."""
+def _in_learners_code(frame: FrameType | None, modules: frozenset[str]) -> bool:
+    """Whether a learner's code runs in ``frame``: the innermost frame that is labkit's or a learner's module's is
+    the learner's (frames of the libraries either calls, of a tracer (a debugger), of generated code are passed
+    over)."""
     tracer = getattr(sys.gettrace(), "__code__", None)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
-        library = module not in sys.modules or module.partition(".")[0] in sys.stdlib_module_names
-        if not library and frame.f_code is not tracer:
-            return module.partition(".")[0] == "labkit"
+        if module in modules and frame.f_code is not tracer:
+            return True
+        if module == "labkit" or module.startswith("labkit."):
+            return False
         frame = frame.f_back
     return False

@@ -52,7 +52,7 @@ def run_workload(
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival_time)
     known = set(engine.requests)  # what this run adds is cleaned up, an id that never reached ``ids`` included
     start = engine.clock()
-    ids: dict[int, int] = {}  # workload index -> request id
+    ids = [0] * len(workload)  # by workload index: the request ids
     reports = []
     bar = progress_bar(len(workload), "serve") if progress else None
     try:
@@ -79,7 +79,8 @@ def run_workload(
                     "the engine has unfinished requests but scheduled nothing, and the next step would do the"
                     " same: no request can run (a plugged-in scheduler that plans nothing?)"
                 )
-        return Run([engine.release(ids[i]) for i in range(len(workload))], reports)
+        # Not a comprehension: in one, Python 3.13 lets an exception a tracer (a debugger) raises skip the except.
+        return Run(list(map(engine.release, ids)), reports)
     except BaseException:
         while True:  # a second Ctrl-C meanwhile: clean up all the same, then raise
             try:

@@ -32,7 +32,7 @@ class HeldInterrupt:
     one came, raises the signal again, so that it does then what it would have done (a KeyboardInterrupt in a
     terminal or a Jupyter kernel); between ``release()`` and ``deliver()`` another acts at once, for both. Python
     runs signal handlers in the main thread only: elsewhere none can land, and nothing is held. A hold costs two
-    handler swaps, about 6 us; ``open()`` and a second ``hold()`` cost nothing.
+    handler swaps, about 7 us; ``open()`` and a second ``hold()`` cost nothing.
 
     ``learners_modules`` names the modules of a learner's plugged-in parts. In a hold with ``learners_code_acts``, a
     SIGINT that lands in their code acts at once; in any hold, one that comes ``STUCK_SECONDS`` after one was noted
@@ -140,8 +140,9 @@ class HeldInterrupt:
         if previous is None:
             return
         try:
-            if signal.getsignal(signal.SIGINT) == self._note:
-                signal.signal(signal.SIGINT, previous)
+            replaced = signal.signal(signal.SIGINT, previous)
+            if replaced is not None and replaced != self._note:  # someone else's, installed meanwhile: theirs stays
+                signal.signal(signal.SIGINT, replaced)
         finally:
             self._previous = None
 

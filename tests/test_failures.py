@@ -1305,3 +1305,91 @@ def test_a_debugger_that_puts_labkits_handler_back_later_leaves_ctrl_c_working()
         signal.raise_signal(signal.SIGINT)
     engine.generate(prompts, params)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_ctrl_c_in_a_learners_allocator_waits_for_its_change_to_be_recorded():
+    """A learner's allocator records each change of its own right after making it: a Ctrl-C between the two waits
+    (only a scheduler's or queue's code lets one act at once while a step is planned), so no block is lost."""
+    import signal
+    from functools import partial
+
+    from labkit.core.blocks import BlockAllocator
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    landed = [False]
+
+    class KeepsASpareBlock(BlockAllocator):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.spare: dict[int, int] = {}
+
+        def allocate(self, request_id: int, num_tokens: int, prefix: Any = None) -> Any:
+            new = super().allocate(request_id, num_tokens, prefix)
+            if request_id not in self.spare and self.free_blocks:
+                block = self.free_blocks.popleft()
+                if not landed[0]:
+                    landed[0] = True
+                    signal.raise_signal(signal.SIGINT)  # a Ctrl-C landing right after the change, before its record
+                self.record_undo(partial(self.give_back, request_id, block))
+                self.spare[request_id] = block
+            return new
+
+        def give_back(self, request_id: int, block: int) -> None:
+            del self.spare[request_id]
+            self.free_blocks.appendleft(block)
+
+        def free(self, request_id: int) -> Any:
+            released = super().free(request_id)
+            if request_id in self.spare:
+                block = self.spare.pop(request_id)
+                self.free_blocks.append(block)
+                self.record_undo(partial(self.take_back, request_id, block))
+            return released
+
+        def take_back(self, request_id: int, block: int) -> None:
+            self.free_blocks.remove(block)
+            self.spare[request_id] = block
+
+    engine = Engine(
+        SimulatedModel(), EngineConfig(block_size=4, num_blocks=16, max_batch_tokens=16), allocator_cls=KeepsASpareBlock
+    )
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate([[1, 2, 3, 4, 5], [6, 7, 8]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    engine.report_aborts()
+    assert landed[0] and not engine.cut_short
+    assert engine.num_free_blocks == engine.num_blocks and not engine.allocator.spare
+
+
+def test_a_listener_that_aborts_a_request_sees_the_held_ctrl_c_come_after_every_listener():
+    """A Ctrl-C held in a step's commit comes once every listener has seen the step's report, also when a listener
+    calls back into the engine (a stop button's abort()): it came out of that abort, and later listeners missed
+    the step."""
+    import signal
+
+    from labkit.core.queues import FcfsQueue
+    from labkit.exercises.ex9_shortest_first import scheduler_for
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    landed = [False]
+
+    class LearnersQueue(FcfsQueue):
+        def remove(self, request: Any) -> None:
+            if not landed[0]:
+                landed[0] = True
+                signal.raise_signal(signal.SIGINT)  # a Ctrl-C landing in the commit: held
+            super().remove(request)
+
+    engine = Engine(
+        SimulatedModel(),
+        EngineConfig(block_size=4, num_blocks=16, max_batch_tokens=16),
+        scheduler_cls=scheduler_for(LearnersQueue),
+    )
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    engine.add_request([1, 2, 3], params)
+    stopped = engine.add_request([4, 5, 6], params)
+    seen = []
+    engine.step_listeners += [lambda report: engine.abort(stopped), lambda report: seen.append(report.step)]
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert seen == [1]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from types import CodeType
 from typing import Any, Protocol, cast
 
 from labkit.core.blocks import BlockAllocator
@@ -109,11 +110,21 @@ def make_runner(model: Any, config: EngineConfig, **parts: Any) -> Runner:
     return default_runner_factory(model, config, **parts)
 
 
-def _learners_modules(parts: Iterable[object]) -> set[str]:
-    """The modules of the classes that plugged-in parts are made of, other than labkit's (its core, or an exercise's
-    wrapper around it: allocator_for a labkit PrefixCache, say): a learner's subclass, or class of their own."""
-    classes = (c for part in parts if part is not None for c in type(part).__mro__ if c is not object)
-    return {c.__module__ for c in classes if not c.__module__.startswith("labkit.")}
+def _learners_code(parts: Iterable[object]) -> set[CodeType]:
+    """The code of the methods that the classes of ``parts`` define outside labkit (a learner's subclass, or class of
+    their own; not labkit's core, nor an exercise's wrapper around it: allocator_for a labkit PrefixCache, say)."""
+    code = set()
+    for part in parts:
+        for cls in type(part).__mro__ if part is not None else ():
+            if cls is object or cls.__module__.startswith("labkit."):
+                continue
+            for attribute in vars(cls).values():
+                functions = (attribute.fget, attribute.fset) if isinstance(attribute, property) else (attribute,)
+                for function in functions:
+                    function = getattr(function, "__func__", function)  # a staticmethod's or classmethod's
+                    if hasattr(function, "__code__"):
+                        code.add(function.__code__)
+    return code
 
 
 class Engine:
@@ -173,10 +184,13 @@ class Engine:
         self._ids = itertools.count()
         self._aborted: list[Request] = []  # aborted between steps: reported with the next step
         self._ahead: deque[_LaunchedStep] = deque()  # async scheduling: committed steps whose tokens are not read
-        # The engine plans and changes its state with a Ctrl-C held; one that lands in a learner's plugged-in part
+        # The engine plans and changes its state with a Ctrl-C held; one that lands in a learner's scheduler or queue
         # while a step is planned acts at once, so that their loop stays interruptible (labkit/core/interrupts.py).
-        parts = (self.allocator, self.scheduler, getattr(self.scheduler, "waiting", None), self.allocator.prefix_cache)
-        self._held = HeldInterrupt(learners_modules=_learners_modules(parts))
+        self._held = HeldInterrupt(
+            acts_in=_learners_code([self.scheduler, getattr(self.scheduler, "waiting", None)]),
+            waits_in=_learners_code([self.allocator, self.allocator.prefix_cache]),
+            way_out=True,
+        )
 
     # ------------------------------------------------------------------ state
     @property
@@ -199,15 +213,15 @@ class Engine:
 
     @property
     def cut_short(self) -> bool:
-        """Whether a Ctrl-C stopped labkit's own code half-way: pressed again once one had waited
-        ``STUCK_SECONDS`` for a learner's plugged-in part (the way out of a loop). The blocks and queues may then
-        not add up, and the engine refuses to go on: make a new one."""
+        """Whether a Ctrl-C may have stopped the engine's code half-way: pressed again once one had waited
+        ``STUCK_SECONDS`` (the way out of a loop stuck in a plugged-in part). The blocks and queues may then not add
+        up, and the engine refuses to go on: make a new one."""
         return self._held.cut_short
 
     def _refuse_if_cut_short(self) -> None:
         if self._held.cut_short:
             raise RuntimeError(
-                "a second Ctrl-C stopped labkit's own code half-way (the first had waited for your plugged-in part):"
+                "a second Ctrl-C may have stopped the engine's code half-way (the first had waited half a second):"
                 " this engine's blocks and queues may not add up; make a new Engine"
             )
 
@@ -298,11 +312,15 @@ class Engine:
         if held.holding:
             yield
             return
+        waiting = held.pending  # a Ctrl-C held in a step's commit waits for its listeners, this one among them
         held.hold()
         try:
             yield
         finally:
-            held.deliver()
+            if waiting:
+                held.release()
+            else:
+                held.deliver()
 
     def report_aborts(self) -> list[StepReport]:
         """Report the ends of requests aborted since the last step now, in steps of their own, when nothing else
@@ -456,6 +474,7 @@ class Engine:
                 held.hold()
                 finished = scheduler.update(output, placeholders, start)  # the commit, tokens to follow
             else:
+                held.hold()  # a rollback waits for no learner's code
                 scheduler.rollback()  # planned, never run: nothing was written into its victims' blocks
         except BaseException:
             while True:  # rolled back whatever comes, as in step()
@@ -547,7 +566,8 @@ class Engine:
         invalid, none is queued and nothing is left behind. If anything raises while they run
         (KeyboardInterrupt included), the requests of this call are aborted and dropped from
         ``requests``, their blocks freed, and the exception propagates; the next StepReport lists them
-        as aborted, as after ``abort()``, so a widget that saw them run sees them end.
+        as aborted, as after ``abort()``, so a widget that saw them run sees them end (an engine ``cut_short``
+        is left as it is).
         """
         if isinstance(prompts, str):
             prompts = [prompts]

@@ -6,11 +6,12 @@ two statements: between taking a block off the free queue and recording it, say,
 good. So while labkit plans a step, commits it, or adds or aborts a request, a Ctrl-C is held and delivered once the
 state is whole. While the model runs, which is most of a step, a Ctrl-C acts at once: the step is rolled back.
 
-Around a learner's plugged-in part (an exercise's allocator, scheduler or queue), a Ctrl-C that lands in the
-learner's code while a step is planned acts at once too: planning is rolled back whatever a part raises, so the
-learner's loop stops at the first press. Everywhere else (the commit, adding, aborting, cleaning up) labkit's state
-is half changed while it calls the learner's code, and a Ctrl-C waits. One that has waited ``STUCK_SECONDS`` means
-the code is stuck: the next acts at once wherever it lands, and the engine, cut short, refuses to go on.
+Around a learner's plugged-in scheduler or queue, a Ctrl-C that lands in the learner's code while a step is planned
+acts at once too: that planning is rolled back whatever they raise. Everywhere else (a learner's allocator or cache,
+whose changes the rollback knows only as far as they record them; the commit, adding, aborting, cleaning up, where
+labkit's state is half changed while it calls the learner's code) a Ctrl-C waits. One that has waited
+``STUCK_SECONDS`` means the code is stuck (a loop that spends its time in labkit's calls, say): the next acts at once
+wherever it lands, and the engine, cut short, refuses to go on.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import sys
 import threading
 import time
 from collections.abc import Collection
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
-STUCK_SECONDS = 0.5  # around a learner's part, a Ctrl-C held this long lets the next one act at once
+STUCK_SECONDS = 0.5  # with ``way_out``, a Ctrl-C held this long lets the next one act at once
 
 
 class HeldInterrupt:
@@ -34,18 +35,20 @@ class HeldInterrupt:
     runs signal handlers in the main thread only: elsewhere none can land, and nothing is held. A hold costs two
     handler swaps, about 7 us; ``open()`` and a second ``hold()`` cost nothing.
 
-    ``learners_modules`` names the modules of a learner's plugged-in parts. In a hold with ``learners_code_acts``, a
-    SIGINT that lands in their code acts at once; in any hold, one that comes ``STUCK_SECONDS`` after one was noted
-    acts at once and sets ``cut_short``."""
+    In a hold with ``learners_code_acts``, a SIGINT that lands in code of ``acts_in`` acts at once, unless code of
+    ``waits_in`` or labkit's own runs inside it. With ``way_out``, one that comes ``STUCK_SECONDS`` after one was
+    noted acts at once, and sets ``cut_short``."""
 
-    def __init__(self, *, learners_modules: Collection[str] = ()) -> None:
+    def __init__(
+        self, *, acts_in: Collection[CodeType] = (), waits_in: Collection[CodeType] = (), way_out: bool = False
+    ) -> None:
         self._previous: Any = None  # the handler held off (a callable, SIG_DFL or SIG_IGN) while ours is in place
         self._received = False
         self._noted_at = 0.0
         self._open = False
         self._released = False  # released with a SIGINT noted, which waits for deliver(): ours stays in place
         self._learners_code_acts = False
-        self.learners_modules = frozenset(learners_modules)
+        self.acts_in, self.waits_in, self.way_out = frozenset(acts_in), frozenset(waits_in), way_out
         self.cut_short = False  # a SIGINT acted in the middle of a held change: the state may not add up
 
     @property
@@ -62,15 +65,15 @@ class HeldInterrupt:
             signal.default_int_handler(signum, frame)
         elif self._released or self._open or self._in_learners_turn(frame):
             self._act(frame)
-        elif self.learners_modules and self._received and time.monotonic() - self._noted_at >= STUCK_SECONDS:
-            self.cut_short = True  # the way out of a learner's loop, at the cost of the engine
+        elif self.way_out and self._received and time.monotonic() - self._noted_at >= STUCK_SECONDS:
+            self.cut_short = True  # the way out of a stuck loop, at the cost of the engine
             self._act(frame)
         elif not self._received:
             self._received, self._noted_at = True, time.monotonic()
 
     def _in_learners_turn(self, frame: FrameType | None) -> bool:
-        """Whether a SIGINT landed in a learner's part while a step is planned."""
-        return self._learners_code_acts and _in_learners_code(frame, self.learners_modules)
+        """Whether a SIGINT landed in a learner's scheduler or queue while a step is planned."""
+        return self._learners_code_acts and _acts_here(frame, self.acts_in, self.waits_in)
 
     def _act(self, frame: FrameType | None) -> None:
         """Let the held-off handler handle a SIGINT now (a KeyboardInterrupt, normally), as if none had been held;
@@ -147,16 +150,16 @@ class HeldInterrupt:
             self._previous = None
 
 
-def _in_learners_code(frame: FrameType | None, modules: frozenset[str]) -> bool:
-    """Whether a learner's code runs in ``frame``: the innermost frame that is labkit's or a learner's module's is
-    the learner's (frames of the libraries either calls, of a tracer (a debugger), of generated code are passed
-    over)."""
+def _acts_here(frame: FrameType | None, acts_in: frozenset[CodeType], waits_in: frozenset[CodeType]) -> bool:
+    """Whether the innermost frame that runs code of ``acts_in``, of ``waits_in`` or of labkit is one of ``acts_in``
+    (frames of the libraries they call, of helpers, of a tracer (a debugger), are passed over)."""
     tracer = getattr(sys.gettrace(), "__code__", None)
     while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if module in modules and frame.f_code is not tracer:
+        code = frame.f_code
+        if code in acts_in and code is not tracer:
             return True
-        if module == "labkit" or module.startswith("labkit."):
+        module = frame.f_globals.get("__name__", "")
+        if code in waits_in or module == "labkit" or module.startswith("labkit."):
             return False
         frame = frame.f_back
     return False

@@ -111,20 +111,12 @@ def make_runner(model: Any, config: EngineConfig, **parts: Any) -> Runner:
 
 
 def _learners_code(parts: Iterable[object]) -> set[CodeType]:
-    """The code of the methods that the classes of ``parts`` define outside labkit (a learner's subclass, or class of
-    their own; not labkit's core, nor an exercise's wrapper around it: allocator_for a labkit PrefixCache, say)."""
-    code = set()
-    for part in parts:
-        for cls in type(part).__mro__ if part is not None else ():
-            if cls is object or cls.__module__.startswith("labkit."):
-                continue
-            for attribute in vars(cls).values():
-                functions = (attribute.fget, attribute.fset) if isinstance(attribute, property) else (attribute,)
-                for function in functions:
-                    function = getattr(function, "__func__", function)  # a staticmethod's or classmethod's
-                    if hasattr(function, "__code__"):
-                        code.add(function.__code__)
-    return code
+    """The code of the methods that classes from outside labkit define for ``parts``: a learner's subclass, or class
+    of their own (not labkit's core, nor an exercise's wrapper around it: allocator_for a labkit PrefixCache, say)."""
+    classes = {cls for part in parts if part is not None for cls in type(part).__mro__}
+    outside = (cls for cls in classes if not cls.__module__.startswith(("labkit.", "builtins")))
+    functions = (getattr(value, "__func__", value) for cls in outside for value in vars(cls).values())  # unwrapped
+    return {function.__code__ for function in functions if hasattr(function, "__code__")}
 
 
 class Engine:
@@ -474,7 +466,7 @@ class Engine:
                 held.hold()
                 finished = scheduler.update(output, placeholders, start)  # the commit, tokens to follow
             else:
-                held.hold()  # a rollback waits for no learner's code
+                held.hold()  # the rollback is held throughout, a learner's code in it too
                 scheduler.rollback()  # planned, never run: nothing was written into its victims' blocks
         except BaseException:
             while True:  # rolled back whatever comes, as in step()

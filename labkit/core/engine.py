@@ -111,8 +111,9 @@ def make_runner(model: Any, config: EngineConfig, **parts: Any) -> Runner:
 
 
 def _learners_code(parts: Iterable[object]) -> set[CodeType]:
-    """The code of the methods that classes from outside labkit define for ``parts``: a learner's subclass, or class
-    of their own (not labkit's core, nor an exercise's wrapper around it: allocator_for a labkit PrefixCache, say)."""
+    """The code of the methods that classes from outside labkit define for ``parts``, so that a Ctrl-C can tell a
+    learner's code from labkit's own by the frame it lands in: a learner's subclass, or class of their own (not
+    labkit's core, nor an exercise's wrapper around it: allocator_for a labkit PrefixCache, say)."""
     classes = {cls for part in parts if part is not None for cls in type(part).__mro__}
     outside = (cls for cls in classes if not cls.__module__.startswith(("labkit.", "builtins")))
     functions = (getattr(value, "__func__", value) for cls in outside for value in vars(cls).values())  # unwrapped
